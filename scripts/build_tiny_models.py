@@ -16,8 +16,9 @@ tokenizer.json), so prompt templates and the 34-token Qwen-Image prefix are toke
 checkpoints. That package carries a Qwen3 text tokenizer config; the chat templates and the per-model special-token
 sets of the VL checkpoints are written here.
 
-Every weight is drawn from a fixed seed, so two builds are identical. A folder counts as complete when its
-`.complete` marker (written last) exists; existing complete folders are kept unless --force.
+Every weight is drawn from a fixed seed, so two builds are identical. Each folder is built in a temporary sibling
+and renamed into place; it counts as complete when its `.complete` marker (written last) holds the sha256 of this
+script, so complete folders are kept (unless --force) and folders from another builder version are rebuilt.
 """
 
 from __future__ import annotations
@@ -430,8 +431,21 @@ def builders() -> dict[str, Callable[[str], None]]:
     return table
 
 
+def builder_fingerprint() -> str:
+    """sha256 of this script: a cached folder built by a different version of the builders is rebuilt."""
+    import hashlib
+
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MARKER))
+    """True when `path` holds a finished build (marker written last) from this version of the builders."""
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        return False
+    with open(marker, encoding="utf-8") as f:
+        return f.read().strip() == builder_fingerprint()
 
 
 def build_one(name: str, out_root: str, *, force: bool) -> float:
@@ -441,10 +455,14 @@ def build_one(name: str, out_root: str, *, force: bool) -> float:
         return 0.0
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp.", dir=out_root)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         builders()[name](tmp)
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write("built by scripts/build_tiny_models.py\n")
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            f.write(builder_fingerprint() + "\n")
+        if is_complete(final) and not force:  # a concurrent build finished first: keep it
+            shutil.rmtree(tmp, ignore_errors=True)
+            return time.time() - t0
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -12,6 +12,8 @@ from torch import nn
 from models import load_model
 from models.lora import (
     ADAPTER_CONFIG,
+    BOOGU_IMAGE_LORA_BLOCK_PREFIXES,
+    BOOGU_IMAGE_LORA_TARGETS,
     ADAPTER_WEIGHTS,
     apply_lora,
     copy_adapter_,
@@ -33,13 +35,8 @@ from models.qwen_image import QwenImageModel
 # ---------------------------------------------------------------------------------------------------------------
 
 D = 8
-BOOGU_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0", "img_to_q", "img_to_k", "img_to_v", "img_out", "instruct_to_q",
-    "instruct_to_k", "instruct_to_v", "instruct_out", "feed_forward.linear_1", "feed_forward.linear_2",
-    "feed_forward.linear_3", "img_feed_forward.linear_1", "img_feed_forward.linear_2", "img_feed_forward.linear_3",
-)
-BOOGU_BLOCKS = ("double_stream_layers", "single_stream_layers", "context_refiner", "noise_refiner",
-                "ref_image_refiner")
+BOOGU_TARGETS = BOOGU_IMAGE_LORA_TARGETS
+BOOGU_BLOCKS = BOOGU_IMAGE_LORA_BLOCK_PREFIXES
 
 
 def _lin():
