@@ -27,29 +27,6 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-# Validated default targets (the wrappers expose them as `default_lora_targets` / `lora_block_prefixes`).
-# Qwen-Image: verl-omni's OCR recipe (spec algorithms.md 8.2); all inside `transformer_blocks`.
-QWEN_IMAGE_LORA_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0",
-    "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-)
-QWEN_IMAGE_LORA_BLOCK_PREFIXES = ("transformer_blocks",)
-# Boogu-Image: verl-omni's recipe, 18 names that bind in both trees (spec A.10). PEFT needs the "." boundary, so
-# feed_forward.* and img_feed_forward.* are listed separately; instruct_feed_forward.* and the adaLN linears are
-# bindable but not in the recipe.
-BOOGU_IMAGE_LORA_TARGETS = (
-    "to_q", "to_k", "to_v", "to_out.0",
-    "img_to_q", "img_to_k", "img_to_v", "img_out",
-    "instruct_to_q", "instruct_to_k", "instruct_to_v", "instruct_out",
-    "feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3",
-    "img_feed_forward.linear_1", "img_feed_forward.linear_2", "img_feed_forward.linear_3",
-)
-# verl-omni's fsdp_layer_prefixes: LoRA outside these never reaches the rollout engine.
-BOOGU_IMAGE_LORA_BLOCK_PREFIXES = (
-    "double_stream_layers", "single_stream_layers", "context_refiner", "noise_refiner", "ref_image_refiner",
-)
-
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KEY_PREFIXES = ("transformer.", "base_model.model.")

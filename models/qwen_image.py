@@ -21,7 +21,6 @@ import torch
 import losses
 from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
 from models.base import FlowModel, PromptEmbeds, per_row_noise, read_json, to_uint8
-from models.lora import QWEN_IMAGE_LORA_BLOCK_PREFIXES, QWEN_IMAGE_LORA_TARGETS
 
 # The pipeline's prompt template and the number of tokens of its prefix (system turn + "<|im_start|>user\n").
 PROMPT_PREFIX = f"<|im_start|>system\n{QWEN_IMAGE_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
@@ -85,8 +84,13 @@ def unpack_latents(packed: torch.Tensor, latent_h: int, latent_w: int) -> torch.
 
 class QwenImageModel(FlowModel):
     family = "qwen_image"
-    default_lora_targets = QWEN_IMAGE_LORA_TARGETS
-    lora_block_prefixes = QWEN_IMAGE_LORA_BLOCK_PREFIXES
+    # verl-omni's Qwen-Image OCR recipe (spec algorithms.md 8.2); all bind inside `transformer_blocks`.
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0",
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
+    lora_block_prefixes = ("transformer_blocks",)
     vae_scale_factor = 8
 
     def __init__(

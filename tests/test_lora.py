@@ -7,13 +7,10 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 from models import load_model
 from models.lora import (
     ADAPTER_CONFIG,
-    BOOGU_IMAGE_LORA_BLOCK_PREFIXES,
-    BOOGU_IMAGE_LORA_TARGETS,
     ADAPTER_WEIGHTS,
     apply_lora,
     copy_adapter_,
@@ -27,99 +24,11 @@ from models.lora import (
     to_engine_targets,
     validate_lora_targets,
 )
+from models.boogu_image import BooguImageModel, BooguImageTransformer2DModel
 from models.qwen_image import QwenImageModel
 
-# ---------------------------------------------------------------------------------------------------------------
-# A stand-in with the module paths of the upstream Boogu-Image transformer (spec A.3), 1/1/1 blocks + refiners.
-# Used until the boogu branch's BooguImageTransformer2DModel lands; the paths are what LoRA binds by.
-# ---------------------------------------------------------------------------------------------------------------
-
-D = 8
-BOOGU_TARGETS = BOOGU_IMAGE_LORA_TARGETS
-BOOGU_BLOCKS = BOOGU_IMAGE_LORA_BLOCK_PREFIXES
-
-
-def _lin():
-    return nn.Linear(D, D, bias=False)
-
-
-class _Attn(nn.Module):  # diffusers Attention: to_q/k/v + to_out = [Linear, Dropout]
-    def __init__(self):
-        super().__init__()
-        self.to_q, self.to_k, self.to_v = _lin(), _lin(), _lin()
-        self.to_out = nn.ModuleList([_lin(), nn.Dropout(0.0)])
-
-
-class _JointProcessor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        for n in ("img_to_q", "img_to_k", "img_to_v", "instruct_to_q", "instruct_to_k", "instruct_to_v",
-                  "img_out", "instruct_out"):
-            setattr(self, n, _lin())
-
-
-class _JointAttn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.processor = _JointProcessor()
-        self.to_out = nn.ModuleList([_lin(), nn.Dropout(0.0)])
-
-
-class _FFN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear_1, self.linear_2, self.linear_3 = _lin(), _lin(), _lin()
-
-
-class _Norm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = _lin()
-
-
-class _Block(nn.Module):  # refiner / single-stream block
-    def __init__(self, modulated=True):
-        super().__init__()
-        self.attn, self.feed_forward = _Attn(), _FFN()
-        if modulated:
-            self.norm1 = _Norm()
-
-
-class _DoubleBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.img_instruct_attn, self.img_self_attn = _JointAttn(), _Attn()
-        self.img_feed_forward, self.instruct_feed_forward = _FFN(), _FFN()
-        for n in ("img_norm1", "img_norm2", "img_norm3", "instruct_norm1", "instruct_norm2"):
-            setattr(self, n, _Norm())
-
-
-class BooguStandIn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.x_embedder, self.ref_image_patch_embedder = _lin(), _lin()
-        self.time_caption_embed = nn.Module()
-        self.time_caption_embed.timestep_embedder = _FFN()
-        self.time_caption_embed.caption_embedder = nn.Sequential(nn.Identity(), _lin())
-        self.noise_refiner = nn.ModuleList([_Block()])
-        self.ref_image_refiner = nn.ModuleList([_Block()])
-        self.context_refiner = nn.ModuleList([_Block(modulated=False)])
-        self.double_stream_layers = nn.ModuleList([_DoubleBlock()])
-        self.single_stream_layers = nn.ModuleList([_Block()])
-        self.norm_out = nn.Module()
-        self.norm_out.linear_1, self.norm_out.linear_2 = _lin(), _lin()
-        self.linear_paths = [n for n, m in self.named_modules() if isinstance(m, nn.Linear)]
-
-    def forward(self, x):  # every Linear (or its LoRA wrapper) contributes, so any LoRA changes the output
-        out = torch.zeros_like(x)
-        for path in self.linear_paths:
-            out = out + torch.tanh(self.get_submodule(path)(x))
-        return out
-
-
-def boogu_standin(seed=0):
-    torch.manual_seed(seed)
-    return BooguStandIn()
+BOOGU_TARGETS = BooguImageModel.default_lora_targets
+BOOGU_BLOCKS = BooguImageModel.lora_block_prefixes
 
 
 def randomize_lora_(module, adapter="default", seed=0):
@@ -153,6 +62,39 @@ def qwen_inputs(qwen):
     return x, torch.tensor([0.7, 0.3]), pe
 
 
+@pytest.fixture(scope="module")
+def boogu_dir(tiny_models):
+    return os.path.join(tiny_models, "boogu_image_base")
+
+
+@pytest.fixture(scope="module")
+def boogu(boogu_dir) -> BooguImageModel:
+    return load_model(boogu_dir)
+
+
+@pytest.fixture(scope="module")
+def boogu_inputs(boogu):
+    pe = boogu.encode_prompt(["a red sign", ""])
+    x = boogu.prepare_noise(32, 32, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    return x, torch.tensor([0.7, 0.3]), pe
+
+
+def fresh_boogu_transformer(boogu_dir):
+    return BooguImageTransformer2DModel.from_pretrained(boogu_dir, subfolder="transformer").eval()
+
+
+def boogu_velocity(boogu, transformer, inputs):
+    """The wrapper's velocity with `transformer` swapped in (the wrapper owns the Boogu conventions)."""
+    x, sig, pe = inputs
+    saved = boogu.transformer
+    boogu.transformer = transformer
+    try:
+        with torch.no_grad():
+            return boogu.predict_velocity(x, sig, pe)
+    finally:
+        boogu.transformer = saved
+
+
 def fresh_qwen_transformer(qwen_dir):
     from diffusers import QwenImageTransformer2DModel
 
@@ -180,8 +122,9 @@ def test_qwen_default_targets_bind_inside_blocks(qwen_dir):
     assert all(b.startswith("transformer_blocks.") for b in bound)
 
 
-def test_boogu_recipe_targets_bind_44_paths():
-    m = boogu_standin()
+def test_boogu_recipe_targets_bind_44_paths(boogu_dir):
+    m = fresh_boogu_transformer(boogu_dir)
+    assert (m.config.num_layers, m.config.num_double_stream_layers, m.config.num_refiner_layers) == (2, 1, 1)
     bound = validate_lora_targets(m, BOOGU_TARGETS, BOOGU_BLOCKS)
     assert len(BOOGU_TARGETS) == 18
     assert len(bound) == 44  # spec A.10: the full rule binds all 44 module paths of a 1/1/1 tiny model
@@ -206,9 +149,9 @@ def test_top_level_target_raises_qwen(qwen_dir, target):
 
 
 @pytest.mark.parametrize("target", ["x_embedder", "linear_1", "caption_embedder.1", "norm_out.linear_2"])
-def test_top_level_target_raises_boogu(target):
+def test_top_level_target_raises_boogu(boogu_dir, target):
     with pytest.raises(ValueError, match="outside the transformer blocks"):
-        validate_lora_targets(boogu_standin(), [target], BOOGU_BLOCKS)
+        validate_lora_targets(fresh_boogu_transformer(boogu_dir), [target], BOOGU_BLOCKS)
 
 
 def test_apply_lora_two_adapters_and_switching(qwen_dir, qwen_inputs):
@@ -278,8 +221,8 @@ def _exported_keys(d):
         return list(f.keys())
 
 
-def test_boogu_export_engine_names_maps_every_key(tmp_path):
-    m = boogu_standin()
+def test_boogu_export_engine_names_maps_every_key(boogu_dir, tmp_path):
+    m = fresh_boogu_transformer(boogu_dir)
     n = apply_lora(m, BOOGU_TARGETS, rank=2, alpha=4, block_prefixes=BOOGU_BLOCKS)
     assert export_adapter(m, tmp_path / "eng", engine_names=True) == n == 44
     keys = _exported_keys(tmp_path / "eng")
@@ -338,20 +281,19 @@ def test_export_import_round_trip_qwen(qwen_dir, qwen_inputs, trained_qwen, tmp_
     torch.testing.assert_close(run_transformer(fresh, qwen_inputs), out, rtol=1e-5, atol=1e-6)
 
 
-def test_export_import_round_trip_boogu(tmp_path):
-    m = boogu_standin()
-    x = torch.randn(3, D, generator=torch.Generator().manual_seed(0))
-    base = m(x)
+def test_export_import_round_trip_boogu(boogu, boogu_dir, boogu_inputs, tmp_path):
+    m = fresh_boogu_transformer(boogu_dir)
+    base = boogu_velocity(boogu, m, boogu_inputs)
     apply_lora(m, BOOGU_TARGETS, rank=2, alpha=4, block_prefixes=BOOGU_BLOCKS)
     randomize_lora_(m, seed=4)
-    out = m(x)
-    assert (out - base).abs().max() > 1e-2
+    out = boogu_velocity(boogu, m, boogu_inputs)
+    assert (out - base).abs().max() > 1e-2  # the adapter changes the velocity measurably
     for engine_names in (False, True):
         d = tmp_path / f"a{int(engine_names)}"
         export_adapter(m, d, engine_names=engine_names)
-        fresh = boogu_standin()
+        fresh = fresh_boogu_transformer(boogu_dir)
         assert import_adapter(fresh, d, block_prefixes=BOOGU_BLOCKS) == 44
-        torch.testing.assert_close(fresh(x), out)
+        torch.testing.assert_close(boogu_velocity(boogu, fresh, boogu_inputs), out, rtol=1e-5, atol=1e-6)
 
 
 def test_export_overwrites_atomically(trained_qwen, tmp_path):
