@@ -425,3 +425,37 @@ def import_adapter(
             wa.copy_(a.to(wa.dtype))
             wb.copy_(b.to(wb.dtype))
     return len(layers)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlowModel conveniences (the wrapper supplies the family's targets and block prefixes)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_lora(
+    model,
+    *,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str] | None = None,
+    adapter_names: Sequence[str] = ("default",),
+    trainable: Sequence[str] | None = None,
+    dropout: float = 0.0,
+) -> int:
+    """`apply_lora` on a FlowModel's transformer with its validated default targets (unless `targets` is given)
+    and its block prefixes. Returns the number of LoRA modules per adapter."""
+    return apply_lora(
+        model.transformer,
+        list(model.default_lora_targets if targets is None else targets),
+        rank=rank, alpha=alpha, block_prefixes=model.lora_block_prefixes,
+        adapter_names=adapter_names, trainable=trainable, dropout=dropout,
+    )
+
+
+def load_adapter(model, adapter_dir: str, *, adapter_name: str = "default") -> int:
+    """`import_adapter` into a FlowModel's transformer (e.g. a rollout engine receiving a new adapter version);
+    the adapter is injected on first use and overwritten in place afterwards. Returns the bound-module count."""
+    n = import_adapter(model.transformer, adapter_dir, adapter_name=adapter_name,
+                       block_prefixes=model.lora_block_prefixes)
+    set_active_adapter(model.transformer, adapter_name)
+    return n

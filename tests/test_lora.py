@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -347,3 +348,28 @@ def test_diffusers_load_lora_weights_reads_export(qwen_dir, qwen_inputs, trained
     pipe.load_lora_weights(str(d), weight_name=ADAPTER_WEIGHTS, adapter_name="rl")
     # same output as the trainer's adapter, so diffusers applied every module with the same alpha/r scaling
     torch.testing.assert_close(run_transformer(pipe.transformer, qwen_inputs), out, rtol=1e-5, atol=1e-6)
+
+
+def test_flow_model_add_and_load_adapter(qwen_dir, trained_qwen, tmp_path):
+    """The FlowModel conveniences: add_lora uses the wrapper's targets; load_adapter injects, then updates in place."""
+    from models.lora import add_lora, load_adapter
+
+    t, base, out = trained_qwen
+    export_adapter(t, tmp_path / "v1", engine_names=True)
+    m = load_model(qwen_dir)
+    pe = m.encode_prompt(["a red sign", "x"])
+    x = m.prepare_noise(32, 32, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    inputs = (x, torch.tensor([0.7, 0.3]), pe)
+    assert load_adapter(m, str(tmp_path / "v1")) == 12 * t.config.num_layers
+    torch.testing.assert_close(run_transformer(m.transformer, inputs), run_transformer(t, inputs), rtol=1e-5,
+                               atol=1e-6)
+    # a second version overwrites the same adapter in place
+    t2 = copy.deepcopy(t)
+    randomize_lora_(t2, seed=9)
+    export_adapter(t2, tmp_path / "v2")
+    load_adapter(m, str(tmp_path / "v2"))
+    v2 = run_transformer(t2, inputs)
+    assert (v2 - run_transformer(t, inputs)).abs().max() > 1e-2
+    torch.testing.assert_close(run_transformer(m.transformer, inputs), v2, rtol=1e-5, atol=1e-6)
+    m2 = load_model(qwen_dir)
+    assert add_lora(m2, rank=2, alpha=2, adapter_names=("default", "old")) == 12 * t.config.num_layers
