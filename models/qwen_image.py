@@ -135,13 +135,13 @@ class QwenImageModel(FlowModel):
         max_sequence_length: int = 512,
     ) -> "QwenImageModel":
         """Load transformer/, vae/, text_encoder/, tokenizer/ and the raw scheduler/scheduler_config.json."""
-        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-
         for sub in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not os.path.isdir(os.path.join(path, sub)):
                 raise FileNotFoundError(f"{path} has no {sub}/ folder; expected a Qwen-Image pipeline directory")
         scheduler_config = read_json(os.path.join(path, "scheduler", "scheduler_config.json"), "scheduler config")
+        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
         transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
         vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
         text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(path, "text_encoder"), dtype=dtype)

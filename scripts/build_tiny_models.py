@@ -16,13 +16,15 @@ tokenizer.json), so prompt templates and the 34-token Qwen-Image prefix are toke
 checkpoints. That package carries a Qwen3 text tokenizer config; the chat templates and the per-model special-token
 sets of the VL checkpoints are written here.
 
-Every weight is drawn from a fixed seed, so two builds are identical. A folder counts as complete when its
-`.complete` marker (written last) exists; existing complete folders are kept unless --force.
+Every weight is drawn from a fixed seed, so two builds are identical. Each folder is built in a temporary sibling
+and renamed into place; it counts as complete when its `.complete` marker (written last) holds the sha256 of this
+script, so complete folders are kept (unless --force) and folders from another builder version are rebuilt.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -121,22 +123,36 @@ QWEN25_CHAT_TEMPLATE = qwen_vl_chat_template("You are a helpful assistant.")
 QWEN3_VL_CHAT_TEMPLATE = qwen_vl_chat_template(None)
 
 
+@functools.lru_cache(maxsize=None)
+def _tokenizer_files(flavour: str) -> tuple[str, str]:
+    """(tokenizer.json text, tokenizer_config.json base dict as JSON) for a flavour, computed once per process."""
+    src = qwen_tokenizer_source_dir()
+    last_id = QWEN25_LAST_ADDED_ID if flavour == "qwen2.5" else 10**9
+    with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
+        text = f.read()
+    if flavour == "qwen2.5":
+        tok = json.loads(text)
+        tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= last_id]
+        text = json.dumps(tok, ensure_ascii=False)  # no indent: the C encoder, ~1 s instead of ~10 s
+    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items() if int(k) <= last_id}
+    return text, json.dumps(cfg)
+
+
 def write_qwen_tokenizer(out_dir: str, *, flavour: str, processor_class: str | None, chat_template: str) -> None:
     """Write the real Qwen BPE tokenizer files into `out_dir` with the config of `flavour` ("qwen2.5" keeps the
     added tokens up to <|file_sep|>, "qwen3" all of them)."""
+    if flavour not in ("qwen2.5", "qwen3"):
+        raise ValueError(f"unknown tokenizer flavour {flavour!r}")
     src = qwen_tokenizer_source_dir()
     os.makedirs(out_dir, exist_ok=True)
     for name in ("vocab.json", "merges.txt"):
         shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
-    last_id = QWEN25_LAST_ADDED_ID if flavour == "qwen2.5" else 10**9
-    with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
-        tok = json.load(f)
-    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= last_id]
+    tokenizer_json, cfg_json = _tokenizer_files(flavour)
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tok, f, ensure_ascii=False, indent=2)
-    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items() if int(k) <= last_id}
+        f.write(tokenizer_json)
+    cfg = json.loads(cfg_json)
     cfg["additional_special_tokens"] = list(SPECIAL_TOKENS)
     cfg["chat_template"] = chat_template
     cfg["model_max_length"] = 131072
@@ -148,6 +164,20 @@ def write_qwen_tokenizer(out_dir: str, *, flavour: str, processor_class: str | N
         cfg["processor_class"] = processor_class
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, ensure_ascii=False, indent=2, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def qwen3_tokenizer():
+    """The Qwen3-VL tokenizer object (real files), loaded once per process."""
+    from transformers import Qwen2Tokenizer
+
+    tok_dir = tempfile.mkdtemp(prefix="qwen3vl_tok_")
+    try:
+        write_qwen_tokenizer(tok_dir, flavour="qwen3", processor_class="Qwen3VLProcessor",
+                             chat_template=QWEN3_VL_CHAT_TEMPLATE)
+        return Qwen2Tokenizer.from_pretrained(tok_dir)
+    finally:
+        shutil.rmtree(tok_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +324,6 @@ def build_qwen3_vl(model_dir: str, processor_dir: str, *, seed: int, hidden_size
     Qwen2VLImageProcessor with patch 16 / merge 2, Qwen3VLVideoProcessor, chat template) to `processor_dir`
     (the two may be the same directory, as in a Hugging Face VLM repo)."""
     from transformers import (
-        Qwen2Tokenizer,
         Qwen2VLImageProcessor,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
@@ -346,13 +375,7 @@ def build_qwen3_vl(model_dir: str, processor_dir: str, *, seed: int, hidden_size
     model = Qwen3VLForConditionalGeneration(config).eval()
     model.save_pretrained(model_dir)
 
-    tok_dir = tempfile.mkdtemp(prefix="qwen3vl_tok_")
-    try:
-        write_qwen_tokenizer(tok_dir, flavour="qwen3", processor_class="Qwen3VLProcessor",
-                             chat_template=QWEN3_VL_CHAT_TEMPLATE)
-        tokenizer = Qwen2Tokenizer.from_pretrained(tok_dir)
-    finally:
-        shutil.rmtree(tok_dir, ignore_errors=True)
+    tokenizer = qwen3_tokenizer()
     image_processor = Qwen2VLImageProcessor(
         patch_size=16,
         temporal_patch_size=2,
@@ -513,8 +536,21 @@ def builders() -> dict[str, Callable[[str], None]]:
     return table
 
 
+def builder_fingerprint() -> str:
+    """sha256 of this script: a cached folder built by a different version of the builders is rebuilt."""
+    import hashlib
+
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MARKER))
+    """True when `path` holds a finished build (marker written last) from this version of the builders."""
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        return False
+    with open(marker, encoding="utf-8") as f:
+        return f.read().strip() == builder_fingerprint()
 
 
 def build_one(name: str, out_root: str, *, force: bool) -> float:
@@ -524,10 +560,14 @@ def build_one(name: str, out_root: str, *, force: bool) -> float:
         return 0.0
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp.", dir=out_root)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         builders()[name](tmp)
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write("built by scripts/build_tiny_models.py\n")
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            f.write(builder_fingerprint() + "\n")
+        if is_complete(final) and not force:  # a concurrent build finished first: keep it
+            shutil.rmtree(tmp, ignore_errors=True)
+            return time.time() - t0
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
