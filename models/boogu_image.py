@@ -853,8 +853,13 @@ class BooguImageModel(FlowModel):
     @classmethod
     def from_pretrained(cls, path: str, *, device: Union[torch.device, str] = "cpu",
                         dtype: torch.dtype = torch.float32, use_upstream_transformer: bool = False) -> "BooguImageModel":
-        """Load a Boogu-Image pipeline directory. `use_upstream_transformer=True` imports the transformer class
-        from the upstream `boogu` package instead of ours (raises ImportError when it is not importable)."""
+        """Load a Boogu-Image pipeline directory in `dtype` on `device`; every module is in eval mode with
+        requires_grad off (trainers add LoRA parameters, or re-enable what they fine-tune).
+
+        `use_upstream_transformer=True` imports the transformer class from the upstream `boogu` package instead
+        of ours (raises ImportError when it is not importable; never a silent fallback). Upstream picks its
+        attention kernels from the process environment variable `device` at import time (flash-attn and triton
+        when it contains "cuda" and they are installed, SDPA otherwise): set it before loading."""
         from diffusers import AutoencoderKL
         from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
