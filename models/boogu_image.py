@@ -984,8 +984,10 @@ class BooguImageModel(FlowModel):
         return torch.stack(latents)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents (B, 16, H/8, W/8) -> uint8 images (B, 3, H, W)."""
+    def decode(self, latents: torch.Tensor, *, height: Optional[int] = None,
+               width: Optional[int] = None) -> torch.Tensor:
+        """Latents (B, 16, H/8, W/8) -> uint8 images (B, 3, H, W). `height`/`width` (optional) are checked."""
+        self._check_latent_size(latents, height, width)
         z = latents.to(self.device, self.dtype) / self.scaling_factor + self.shift_factor
         return to_uint8(self.vae.decode(z, return_dict=False)[0])
 
@@ -1008,17 +1010,30 @@ class BooguImageModel(FlowModel):
         return self.transformer(x, t, prompt.embeds.to(self.device, self.dtype), self._freqs_cis,
                                 prompt.mask.to(self.device), ref_image_hidden_states=refs)
 
+    def _check_latent_size(self, latents: torch.Tensor, height: Optional[int], width: Optional[int]) -> None:
+        """The FlowModel contract passes the image size along (packed layouts need it); Boogu latents carry it, so
+        a given size only has to agree with them."""
+        if height is None and width is None:
+            return
+        expected = (height // self.vae_scale_factor, width // self.vae_scale_factor)
+        if tuple(latents.shape[-2:]) != expected:
+            raise ValueError(f"latents {tuple(latents.shape)} do not match a {height}x{width} image")
+
     def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, prompt: PromptEmbeds,
-                         ref_latents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         ref_latents: Optional[torch.Tensor] = None, *, height: Optional[int] = None,
+                         width: Optional[int] = None) -> torch.Tensor:
         """Velocity v = eps - x0 (fp32, diffusers convention) at sigmas (B,): the NEGATED Boogu output."""
+        self._check_latent_size(latents, height, width)
         return -self._boogu_forward(latents, sigmas, prompt, ref_latents).float()
 
     def guided_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, prompt: PromptEmbeds,
                         negative: Optional[PromptEmbeds], scale: float,
-                        ref_latents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        ref_latents: Optional[torch.Tensor] = None, *, height: Optional[int] = None,
+                        width: Optional[int] = None) -> torch.Tensor:
         """Boogu text CFG with `guidance_scale` (released default 4.0): `pos + (s - 1) * (pos - neg)` in that
         order and in the model dtype, as the released pipeline computes it, then negated to fp32. In edit the
         negative forward keeps the reference latents (text-only negative). scale <= 1 -> predict_velocity."""
+        self._check_latent_size(latents, height, width)
         if not self.check_guidance(scale, negative, "guidance_scale"):
             return self.predict_velocity(latents, sigmas, prompt, ref_latents)
         pos = self._boogu_forward(latents, sigmas, prompt, ref_latents)
