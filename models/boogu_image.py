@@ -968,6 +968,9 @@ class BooguImageModel(FlowModel):
         generator, then `(z - shift_factor) * scaling_factor`. All images must give the same size."""
         if len(images) != len(generators):
             raise ValueError(f"got {len(generators)} generators for {len(images)} reference images")
+        if any(image is None for image in images):
+            raise ValueError("encode_reference needs a reference image for every row (reference latents are one "
+                             "(B, 16, h, w) tensor); run text-to-image rows in a separate batch")
         latents = []
         for image, generator in zip(images, generators):
             pil = _to_pil(image)

@@ -433,6 +433,8 @@ def test_reference_image_through_vlm_and_vae(edit):
     refs = edit.encode_reference(imgs, gens())
     assert refs.shape == (2, 16, 8, 12) and refs.dtype == torch.float32
     assert torch.equal(refs[1:], edit.encode_reference(imgs[1:], gens()[1:]))
+    with pytest.raises(ValueError, match="every row"):
+        edit.encode_reference([imgs[0], None], gens())
     pixels = torch.from_numpy(np.asarray(imgs[0], dtype=np.float32) / 255.0).permute(2, 0, 1)[None] * 2 - 1
     with torch.no_grad():
         z = edit.vae.encode(pixels).latent_dist.sample(generator=torch.Generator().manual_seed(11))
