@@ -238,6 +238,20 @@ def test_gradient_checkpointing_matches_plain_backward():
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
 
+def test_rope_tables_survive_fsdp_input_casting():
+    """FSDP2's MixedPrecisionPolicy casts floating tensors in a block's arguments to bf16 (through
+    torch.distributed.utils._apply_to_tensors); the RoPE tables ride in a StreamContext that it leaves alone."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from models.boogu_image import StreamContext
+
+    rope = (torch.rand(1, 4, 12), torch.rand(1, 4, 12))
+    args = (torch.rand(1, 4, 48), StreamContext(None, rope), torch.rand(1, 48))
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, args)
+    assert cast[0].dtype == torch.bfloat16  # the cast is real
+    assert cast[1].rope[0].dtype == torch.float32 and cast[1].rope[0] is rope[0]
+
+
 def test_default_lora_targets_bind_inside_blocks_only():
     model = tiny_transformer(5)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
