@@ -188,8 +188,10 @@ def main() -> int:
             print(f"[{cfg_name}] config mismatch:\n ours={dict(ours.config)}\n upstream={dict(upstream.config)}")
             return 1
         freqs_cis = BooguImageRotaryPosEmbed.get_freqs_cis(cfg["axes_dim_rope"], cfg["axes_lens"], theta=10000)
-        for case in ("t2i", "edit"):
-            latents, timestep, instruction, mask, refs = make_inputs(cfg, case == "edit", args.seed + 1)
+        for case in ("t2i", "edit", "mixed"):  # mixed: sample 1 has no reference (T2I and edit in one batch)
+            latents, timestep, instruction, mask, refs = make_inputs(cfg, case != "t2i", args.seed + 1)
+            if case == "mixed":
+                refs[1] = None
             with torch.no_grad():
                 ref_out = upstream(latents, timestep, instruction, freqs_cis, mask, ref_image_hidden_states=refs)
                 our_out = ours(latents, timestep, instruction, instruction_attention_mask=mask,
@@ -206,7 +208,7 @@ def main() -> int:
                 "list": max(rel_err(o, r) for o, r in zip(our_list, ref_list)),
             }
             worst = max(worst, *errs.values())
-            print(f"[{cfg_name}] {case:4s} max rel err: " + ", ".join(f"{k}={v:.3e}" for k, v in errs.items())
+            print(f"[{cfg_name}] {case:5s} max rel err: " + ", ".join(f"{k}={v:.3e}" for k, v in errs.items())
                   + f"  (|upstream| max {ref_out.abs().max().item():.3f})")
     ok = worst <= args.tol
     print(f"transformer: worst max relative error {worst:.3e} -> {'PASS' if ok else 'FAIL'} (tol {args.tol:.0e})")
