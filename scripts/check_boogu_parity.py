@@ -173,6 +173,21 @@ def main() -> int:
     from boogu.models.transformers.rope import BooguImageRotaryPosEmbed
     from boogu.models.transformers.transformer_boogu import BooguImageTransformer2DModel as UpstreamModel
 
+    # The released configuration (spec A.2), built on the meta device: identical key sets and shapes.
+    released = dict(TINY_CONFIGS["gqa_1x1x1"], in_channels=16, hidden_size=3360, num_layers=40,
+                    num_double_stream_layers=8, num_refiner_layers=2, num_attention_heads=28, num_kv_heads=7,
+                    multiple_of=256, axes_dim_rope=(40, 40, 40), axes_lens=(2048, 1664, 1664),
+                    instruction_feature_configs=dict(instruction_feat_dim=4096, reduce_type="mean",
+                                                     num_instruction_feat_layers=1))
+    with torch.device("meta"):
+        ours_shapes = {k: tuple(v.shape) for k, v in BooguImageTransformer2DModel(**released).state_dict().items()}
+        up_shapes = {k: tuple(v.shape) for k, v in UpstreamModel(**released).state_dict().items()}
+    if ours_shapes != up_shapes:
+        print(f"released config: state-dict mismatch ({len(set(ours_shapes) ^ set(up_shapes))} key differences)")
+        return 1
+    print(f"released config: {len(ours_shapes)} tensors, {sum(math.prod(s) for s in ours_shapes.values()) / 1e9:.4f}B "
+          "parameters, identical names and shapes")
+
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     worst = 0.0

@@ -147,6 +147,31 @@ def test_state_dict_keys_equal_released_names():
     assert sum(isinstance(m, torch.nn.Linear) for m in one.modules()) == 62
 
 
+RELEASED_CFG = dict(patch_size=2, in_channels=16, out_channels=None, hidden_size=3360, num_layers=40,
+                    num_double_stream_layers=8, num_refiner_layers=2, num_attention_heads=28, num_kv_heads=7,
+                    multiple_of=256, ffn_dim_multiplier=None, norm_eps=1e-5, axes_dim_rope=(40, 40, 40),
+                    axes_lens=(2048, 1664, 1664),
+                    instruction_feature_configs=dict(instruction_feat_dim=4096, reduce_type="mean",
+                                                     num_instruction_feat_layers=1),
+                    prompt_tuning_configs=dict(use_prompt_tuning=False), timestep_scale=1000.0)
+
+
+def test_released_config_shapes_and_size():
+    """The released config (spec A.2) on the meta device: 10.293B parameters with biases, GQA k/v width 840,
+    SwiGLU inner 13568, temb 1024, caption 4096 -> 3360, and the full key set."""
+    with torch.device("meta"):
+        model = BooguImageTransformer2DModel(**RELEASED_CFG)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(10.293e9, rel=1e-4)
+    sd = model.state_dict()
+    assert set(sd) == expected_state_dict_keys(n_double=8, n_single=32, n_refiner=2)
+    assert sd["single_stream_layers.31.attn.to_k.weight"].shape == (840, 3360)
+    assert sd["double_stream_layers.7.img_instruct_attn.processor.instruct_to_v.weight"].shape == (840, 3360)
+    assert sd["noise_refiner.1.feed_forward.linear_1.weight"].shape == (13568, 3360)
+    assert sd["single_stream_layers.0.norm1.linear.weight"].shape == (4 * 3360, 1024)
+    assert sd["time_caption_embed.caption_embedder.1.weight"].shape == (3360, 4096)
+    assert sd["x_embedder.weight"].shape == (3360, 64) and sd["norm_out.linear_2.weight"].shape == (64, 3360)
+
+
 def test_tiny_checkpoint_loads_with_zero_missing_keys(tiny_models):
     path = os.path.join(tiny_models, "boogu_image_base", "transformer")
     model, info = BooguImageTransformer2DModel.from_pretrained(path, output_loading_info=True)
