@@ -274,7 +274,7 @@ class GenRMLocalReader:
             chunk = images[start:start + self.batch_size]
             inputs = self.processor.apply_chat_template(
                 [self.messages(img) for img in chunk], tokenize=True, add_generation_prompt=True,
-                return_dict=True, return_tensors="pt", padding=True,
+                return_dict=True, return_tensors="pt", processor_kwargs={"padding": True},
             ).to(self.device)
             gen_kwargs: dict[str, Any] = {"max_new_tokens": self.sampling.max_tokens}
             if self.sampling.temperature > 0:
@@ -539,6 +539,19 @@ class ClipPreprocess:
         return (x - mean) / std
 
 
+def read_image_processor_config(folder: Path) -> dict:
+    """The CLIP image-processor config: `preprocessor_config.json` (Hub layout), else the `image_processor` entry
+    of a transformers-5 `processor_config.json`."""
+    if (folder / "preprocessor_config.json").is_file():
+        return json.loads((folder / "preprocessor_config.json").read_text())
+    if (folder / "processor_config.json").is_file():
+        cfg = json.loads((folder / "processor_config.json").read_text())
+        if "image_processor" in cfg:
+            return cfg["image_processor"]
+    raise FileNotFoundError(f"{folder}: no preprocessor_config.json (CLIP image processor config); pass "
+                            f"--pickscore_processor_path pointing at a folder that has one")
+
+
 class PickScore:
     """PickScore = exp(logit_scale) * cos(text, image) / 26 with open_clip's CLIP, fp32.
 
@@ -560,7 +573,7 @@ class PickScore:
         proc = Path(processor_path or checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(proc)
         self.context_length = int(self.model.positional_embedding.shape[0])
-        self.preprocess = ClipPreprocess.from_config(json.loads((proc / "preprocessor_config.json").read_text()))
+        self.preprocess = ClipPreprocess.from_config(read_image_processor_config(proc))
 
     @torch.no_grad()
     def encode_text(self, prompts: Sequence[str]) -> torch.Tensor:
@@ -793,6 +806,11 @@ class RewardScorer:
         for i, gt in enumerate(ground_truths):
             if not isinstance(gt, str):
                 raise ValueError(f"sample {i}: ground_truth must be a str, got {type(gt).__name__}")
+        for i, ds in enumerate(data_sources):
+            if ds not in REWARD_NAMES:
+                raise ValueError(
+                    f"sample {i}: data_source {ds!r} names no reward; known: {REWARD_NAMES}. data_source must name "
+                    f"the reward (relabel old datasets with data_prep/set_data_source.py)")
         images = list(images)
         weights = self.config.reward_weights
         names = list(weights) if weights else list(dict.fromkeys(data_sources))
@@ -850,7 +868,7 @@ def _main() -> None:
     add_reward_args(parser)
     args = parser.parse_args()
     scorer = RewardScorer(RewardConfig.from_args(args))
-    imgs = [torch.from_numpy(np.asarray(Image.open(p).convert("RGB"))).permute(2, 0, 1).contiguous()
+    imgs = [torch.from_numpy(np.array(Image.open(p).convert("RGB"))).permute(2, 0, 1).contiguous()
             for p in args.images]
     res = scorer.score_batch(imgs, [args.ground_truth] * len(imgs), [args.data_source] * len(imgs))
     for i, path in enumerate(args.images):
