@@ -34,7 +34,7 @@ from PIL import Image, ImageOps
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.common import chat, first_quoted_span, write_parquet
+from data_prep.common import EDIT_SCHEMA, chat, first_quoted_span, write_parquet
 from data_prep.prompts import BOOGU_TI2I_SYSTEM_PROMPT
 
 REWARD_ARMS = ("pickscore", "ocr")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         rows = convert_split(input_dir, split, image_size=args.image_size, reward=args.reward,
                              max_samples=args.max_samples)
-        write_parquet(rows, args.output_dir.expanduser() / f"{split}.parquet")
+        write_parquet(rows, args.output_dir.expanduser() / f"{split}.parquet", EDIT_SCHEMA)
         counts[split] = len(rows)
     if not counts:
         raise FileNotFoundError(f"no {'/'.join(s + '.jsonl' for s in args.splits)} in {input_dir}")

@@ -10,6 +10,21 @@ import pyarrow.parquet as pq
 
 PARQUET_ROW_GROUP_SIZE = 500
 
+# Explicit Arrow types, so field order is the verl-omni one ({"role", "content"}) and every file has one schema.
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+REWARD_MODEL = pa.struct([("style", pa.string()), ("ground_truth", pa.string())])
+IMAGES = pa.list_(pa.struct([("bytes", pa.binary())]))
+T2I_SCHEMA = pa.schema([
+    ("data_source", pa.string()), ("prompt", MESSAGES), ("negative_prompt", MESSAGES), ("ability", pa.string()),
+    ("reward_model", REWARD_MODEL), ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+])
+EDIT_SCHEMA = pa.schema([
+    ("data_source", pa.string()), ("prompt", MESSAGES), ("negative_prompt", MESSAGES), ("ability", pa.string()),
+    ("images", IMAGES), ("reward_model", REWARD_MODEL),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("instruction", pa.string()),
+                              ("image", pa.string()), ("target_text", pa.string())])),
+])
+
 
 def first_quoted_span(text: str) -> str | None:
     """The first double-quoted span of `text` (flow_grpo / verl-omni: `text.split('"')[1]`), or None when the text
@@ -31,12 +46,12 @@ def chat(system: str, user: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-def write_parquet(rows: list[dict], path: Path) -> None:
-    """Write rows (nested dicts / lists) with pyarrow; the schema is inferred from the rows."""
+def write_parquet(rows: list[dict], path: Path, schema: pa.Schema) -> None:
+    """Write rows (nested dicts / lists) with pyarrow under `schema` (atomic: temp file, then rename)."""
     if not rows:
         raise ValueError(f"refusing to write an empty dataset to {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows)
+    table = pa.Table.from_pylist(rows, schema=schema)
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp, row_group_size=PARQUET_ROW_GROUP_SIZE)
     tmp.replace(path)
@@ -73,7 +88,7 @@ def convert_ocr_dir(input_dir: Path, output_dir: Path, make_row, splits=("train"
             warn(f"{src} not found, split {split!r} skipped")
             continue
         rows, _ = convert_ocr_prompt_file(src, split, make_row)
-        write_parquet(rows, output_dir / f"{split}.parquet")
+        write_parquet(rows, output_dir / f"{split}.parquet", T2I_SCHEMA)
         counts[split] = len(rows)
     if not counts:
         raise FileNotFoundError(f"no {'/'.join(s + '.txt' for s in splits)} in {input_dir}")
