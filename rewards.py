@@ -183,7 +183,7 @@ class GenRMHttpReader:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         req = urllib.request.Request(self.url, data=payload, headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+        with _NO_PROXY_OPENER.open(req, timeout=self.timeout_s) as resp:
             body = resp.read()
         try:
             reply = json.loads(body)
@@ -223,6 +223,10 @@ class GenRMHttpReader:
 
 class _MalformedReply(RuntimeError):
     pass
+
+
+# The judge is a cluster-internal server: never route it through an http_proxy from the environment.
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def chat_completions_url(url: str) -> str:
