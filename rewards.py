@@ -633,6 +633,7 @@ class RewardConfig:
     genrm_api_key_env: str = "GENRM_API_KEY"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rapidocr_det_limit_side_len: int = 960
+    rapidocr_threads: int = 1
     pickscore_path: str | None = None
     pickscore_processor_path: str | None = None
     pickscore_device: str = "auto"
@@ -659,7 +660,7 @@ class RewardConfig:
             genrm_timeout_s=args.genrm_timeout_s, genrm_max_retries=args.genrm_max_retries,
             genrm_backoff_s=args.genrm_backoff_s,
             sampling=SamplingConfig(args.genrm_temperature, args.genrm_top_p, args.genrm_max_tokens, args.genrm_seed),
-            rapidocr_det_limit_side_len=args.rapidocr_det_limit_side_len,
+            rapidocr_det_limit_side_len=args.rapidocr_det_limit_side_len, rapidocr_threads=args.rapidocr_threads,
             pickscore_path=args.pickscore_path, pickscore_processor_path=args.pickscore_processor_path,
             pickscore_device=args.pickscore_device, pickscore_cache_dir=args.pickscore_cache_dir,
             pickscore_batch_size=args.pickscore_batch_size,
@@ -702,6 +703,7 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--genrm_seed", type=int, default=None, help="GenRM sampling seed (sent as 'seed')")
     g.add_argument("--rapidocr_det_limit_side_len", type=int, default=960,
                    help="rapidocr backend: detector resizes so the longer side is at most this")
+    g.add_argument("--rapidocr_threads", type=int, default=1, help="rapidocr backend: onnxruntime intra-op threads")
     g.add_argument("--pickscore_path", default=None,
                    help="transformers CLIPModel folder of PickScore_v1 (converted once to open_clip, cached)")
     g.add_argument("--pickscore_processor_path", default=None,
@@ -752,7 +754,8 @@ class RewardScorer:
                                                         device=_resolve_device(c.genrm_device),
                                                         batch_size=c.genrm_batch_size)
                 else:
-                    self._ocr_reader = RapidOCRReader(det_limit_side_len=c.rapidocr_det_limit_side_len)
+                    self._ocr_reader = RapidOCRReader(det_limit_side_len=c.rapidocr_det_limit_side_len,
+                                                      num_threads=c.rapidocr_threads)
             return self._ocr_reader
 
     def pickscore(self) -> PickScore:

@@ -482,3 +482,28 @@ def test_batched_tensor_and_bad_batches_raise():
         scorer.score_batch([noise_image()], ["OPEN"], ["flow_grpo/ocr"])
     with pytest.raises(ValueError, match="ground_truth must be a str"):
         scorer.score_batch([noise_image()], [None], ["jpeg_compressibility"])
+
+
+def _score_in_child(config_bytes, images, queue):
+    import pickle
+    scorer = R.RewardScorer(pickle.loads(config_bytes))
+    rewards = scorer.score_batch(images, ["", ""], ["jpeg_incompressibility", "jpeg_compressibility"]).rewards
+    queue.put(rewards.tolist())  # plain floats: a shared-memory tensor would die with the child
+
+
+def test_scorer_builds_from_a_pickled_config_in_another_process():
+    import multiprocessing as mp
+    import pickle
+    config = R.RewardConfig(ocr_backend="rapidocr", reward_weights=None)
+    scorer = R.RewardScorer(config)
+    assert scorer._ocr_reader is None and scorer._pickscore is None  # nothing loaded until first use
+    images = [noise_image(0, (3, 32, 32)), noise_image(1, (3, 32, 32))]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_score_in_child, args=(pickle.dumps(config), images, queue))
+    child.start()
+    rewards = queue.get(timeout=60)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert rewards == pytest.approx(scorer.score_batch(images, ["", ""], ["jpeg_incompressibility",
+                                                                       "jpeg_compressibility"]).rewards.tolist())
