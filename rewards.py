@@ -283,11 +283,14 @@ class GenRMLocalReader:
             gen_kwargs: dict[str, Any] = {"max_new_tokens": self.sampling.max_tokens}
             if self.sampling.temperature > 0:
                 gen_kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p)
-                if self.sampling.seed is not None:
-                    torch.manual_seed(self.sampling.seed + start)
             else:
                 gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-            out = self.model.generate(**inputs, **gen_kwargs)
+            # Sampling draws from a forked RNG, so the judge never moves the caller's (trainer's) global RNG state.
+            cuda = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                if self.sampling.seed is not None:
+                    torch.manual_seed(self.sampling.seed + start)
+                out = self.model.generate(**inputs, **gen_kwargs)
             new_tokens = out[:, inputs["input_ids"].shape[1]:]
             replies.extend(self.processor.batch_decode(new_tokens, skip_special_tokens=True))
         return replies
@@ -599,8 +602,9 @@ class PickScore:
         """Returns (score / 26, raw exp(logit_scale)*cos), each (B,) float32 on CPU."""
         if len(images) != len(prompts):
             raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
-        unique = list(dict.fromkeys(prompts))
-        index = torch.tensor([unique.index(p) for p in prompts])
+        position = {p: k for k, p in enumerate(dict.fromkeys(prompts))}
+        unique = list(position)
+        index = torch.tensor([position[p] for p in prompts])
         text = torch.cat([self.encode_text(unique[i:i + self.batch_size])
                           for i in range(0, len(unique), self.batch_size)])
         raw = []
