@@ -218,7 +218,14 @@ class GenRMHttpReader:
 
     def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
         futures = [self._pool.submit(self._transcribe_one, img) for img in images]
-        return [f.result() for f in futures]  # re-raises the first failure in sample order
+        concurrent.futures.wait(futures)  # no request outlives the batch, even when one has failed
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            if len(errors) == 1:
+                raise errors[0]
+            raise GenRMServerError(f"{len(errors)} of {len(futures)} GenRM requests failed; first: {errors[0]}") \
+                from errors[0]
+        return [f.result() for f in futures]
 
 
 class _MalformedReply(RuntimeError):
