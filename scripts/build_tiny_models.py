@@ -399,12 +399,95 @@ def build_qwen3_vl_genrm(out_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# The released Boogu scheduler config as the checkpoints ship it (spec A.8: static v1, seq_len 4096 -> mu 1.15).
+# Written byte-for-byte: the wrapper reads this file as raw JSON (diffusers would drop the custom keys).
+BOOGU_SCHEDULER_CONFIG_JSON = """{
+  "_class_name": "FlowMatchEulerDiscreteScheduler",
+  "_diffusers_version": "0.35.2",
+  "base_shift": 0.5,
+  "do_shift": true,
+  "dynamic_time_shift": false,
+  "max_shift": 1.15,
+  "num_train_timesteps": 1000,
+  "seq_len": 4096,
+  "time_shift_v2_half_scaling_factor": 60.0,
+  "time_shift_version": "v1"
+}
+"""
+
+# spec A.1 (Base and Edit share the _class_name).
+BOOGU_MODEL_INDEX = {
+    "_class_name": "BooguImagePipeline",
+    "_diffusers_version": "0.35.2",
+    "mllm": ["transformers", "Qwen3VLForConditionalGeneration"],
+    "processor": ["transformers", "Qwen3VLProcessor"],
+    "scheduler": ["scheduling_flow_match_euler_discrete_time_shifting", "FlowMatchEulerDiscreteScheduler"],
+    "transformer": ["transformer_boogu", "BooguImageTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+# Tiny transformer: the released keys with tiny sizes. head_dim 48/2 = 24 = sum(axes_dim_rope); GQA 2 -> 1 heads;
+# axes_lens as released (instruction + reference span < 2048); instruction_feat_dim = the tiny Qwen3-VL hidden.
+TINY_BOOGU_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=None,
+    hidden_size=48,
+    num_layers=2,
+    num_double_stream_layers=1,
+    num_refiner_layers=1,
+    num_attention_heads=2,
+    num_kv_heads=1,
+    multiple_of=16,
+    ffn_dim_multiplier=None,
+    norm_eps=1e-5,
+    axes_dim_rope=(8, 8, 8),
+    axes_lens=(2048, 1664, 1664),
+    instruction_feature_configs=dict(instruction_feat_dim=TINY_TEXT_HIDDEN, reduce_type="mean",
+                                     num_instruction_feat_layers=1),
+    prompt_tuning_configs=dict(use_prompt_tuning=False),
+    timestep_scale=1000.0,
+)
+
+
 def build_boogu_image(out_dir: str, *, edit: bool) -> None:
     """Tiny Boogu-Image pipeline (transformer/ mllm/ processor/ scheduler/ vae/ model_index.json).
 
-    Owned by the boogu branch, which fills it in around its transformer (uses `build_qwen3_vl` for mllm/ +
-    processor/)."""
-    raise NotImplementedError("implemented on the boogu branch")
+    Base and Edit have the same architecture and layout (spec A.2); they differ only in their seeds here.
+    The transformer is our `models.boogu_image.BooguImageTransformer2DModel`, whose config keys and parameter
+    names are the released ones; the VAE is a tiny FLUX-style AutoencoderKL (x8, 16 latent channels, the released
+    scaling 0.3611 / shift 0.1159)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from diffusers import AutoencoderKL
+
+    from models.boogu_image import BooguImageTransformer2DModel
+
+    seed = 40 if edit else 30
+    seeded(seed)
+    transformer = BooguImageTransformer2DModel(**TINY_BOOGU_TRANSFORMER)
+    transformer.save_pretrained(os.path.join(out_dir, "transformer"))
+    build_qwen3_vl(os.path.join(out_dir, "mllm"), os.path.join(out_dir, "processor"), seed=seed + 1)
+    seeded(seed + 2)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    vae.save_pretrained(os.path.join(out_dir, "vae"))
+    os.makedirs(os.path.join(out_dir, "scheduler"), exist_ok=True)
+    with open(os.path.join(out_dir, "scheduler", "scheduler_config.json"), "w", encoding="utf-8") as f:
+        f.write(BOOGU_SCHEDULER_CONFIG_JSON)
+    write_json(os.path.join(out_dir, "model_index.json"), BOOGU_MODEL_INDEX)
 
 
 # ---------------------------------------------------------------------------------------------------------------
