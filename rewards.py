@@ -9,7 +9,8 @@ One entry point for the trainers:
     result.texts              # {"ocr/response": [str | None] * B}, the judge's verbatim replies
 
 Conventions (spec rewards_data_anchors.md §1-2):
-- Images are uint8 `(3, H, W)` tensors in [0, 255] (verl-omni's convention since PR #373). Anything else raises.
+- Images are uint8 `(3, H, W)` tensors in [0, 255] (verl-omni's convention since PR #373), as a list or one
+  uint8 `(B, 3, H, W)` tensor. Anything else (float pixels in [0, 1], HWC, numpy) raises.
 - `data_source` names the REWARD that scores the row (`ocr`, `pickscore`, `jpeg_compressibility`,
   `jpeg_incompressibility`), never the task or the algorithm.
 - `ocr` ground truth is the bare quoted target text; `pickscore` ground truth is the caption / edit instruction.
@@ -54,13 +55,21 @@ GROUND_TRUTH_EXTRA_KEY = {"ocr": "target_text", "pickscore": "instruction"}
 # Inputs
 # ----------------------------------------------------------------------------------------------------------------
 
+def as_image_list(images: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    """A list of uint8 (3, H, W) tensors, or a uint8 (B, 3, H, W) batch (the rollout's output) -> validated list.
+    Raises ValueError for anything else (float pixels, HWC, grayscale, numpy, ...)."""
+    if isinstance(images, torch.Tensor):
+        if images.dim() != 4:
+            raise ValueError(f"a batched image tensor must be (B, 3, H, W), got shape {tuple(images.shape)}; "
+                             f"or pass a list with each item a {PIXEL_CONVENTION}")
+        images = list(images.unbind(0))
+    images = list(images)
+    validate_images(images)
+    return images
+
+
 def validate_images(images: Sequence[torch.Tensor]) -> None:
     """Raise ValueError unless every image is a uint8 (3, H, W) tensor."""
-    if isinstance(images, torch.Tensor):
-        raise ValueError(
-            f"images must be a list of per-sample tensors, got one tensor of shape {tuple(images.shape)}; "
-            f"pass list(batch) with each item a {PIXEL_CONVENTION}"
-        )
     for i, img in enumerate(images):
         if not isinstance(img, torch.Tensor):
             raise ValueError(f"image {i}: expected a torch.Tensor ({PIXEL_CONVENTION}), got {type(img).__name__}")
@@ -812,10 +821,11 @@ class RewardScorer:
             f"(rewrite old datasets with data_prep/set_data_source.py)")
 
     # --- public entry point ---------------------------------------------------------------------------------
-    def score_batch(self, images: Sequence[torch.Tensor], ground_truths: Sequence[str],
+    def score_batch(self, images: Sequence[torch.Tensor] | torch.Tensor, ground_truths: Sequence[str],
                     data_sources: Sequence[str], extra_infos: Sequence[dict | None] | None = None) -> RewardResult:
-        """Score B samples. images: uint8 (3, H, W) each. Returns rewards (B,) float32 (+ extras, see module doc)."""
-        validate_images(images)
+        """Score B samples. images: B uint8 (3, H, W) tensors (a list, or one uint8 (B, 3, H, W) tensor; sizes may
+        differ in a list). Returns rewards (B,) float32 plus extras (see the module docstring)."""
+        images = as_image_list(images)
         n = len(images)
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         if not (len(ground_truths) == len(data_sources) == len(extra_infos) == n):
@@ -829,7 +839,6 @@ class RewardScorer:
                 raise ValueError(
                     f"sample {i}: data_source {ds!r} names no reward; known: {REWARD_NAMES}. data_source must name "
                     f"the reward (relabel old datasets with data_prep/set_data_source.py)")
-        images = list(images)
         weights = self.config.reward_weights
         names = list(weights) if weights else list(dict.fromkeys(data_sources))
 

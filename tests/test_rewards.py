@@ -475,8 +475,13 @@ def test_bad_pixels_raise(image, match):
 
 def test_batched_tensor_and_bad_batches_raise():
     scorer = R.RewardScorer()
-    with pytest.raises(ValueError, match="list of per-sample tensors"):
-        scorer.score_batch(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), ["", ""], ["jpeg_compressibility"] * 2)
+    batch = torch.stack([noise_image(0, (3, 16, 16)), noise_image(1, (3, 16, 16))])
+    as_batch = scorer.score_batch(batch, ["", ""], ["jpeg_compressibility"] * 2).rewards  # rollout's (B, 3, H, W)
+    assert torch.equal(as_batch, scorer.score_batch(list(batch), ["", ""], ["jpeg_compressibility"] * 2).rewards)
+    with pytest.raises(ValueError, match=r"float32.*uint8"):
+        scorer.score_batch(batch.float() / 255, ["", ""], ["jpeg_compressibility"] * 2)
+    with pytest.raises(ValueError, match=r"must be \(B, 3, H, W\)"):
+        scorer.score_batch(noise_image(), [""], ["jpeg_compressibility"])
     with pytest.raises(ValueError, match="batch fields disagree"):
         scorer.score_batch([noise_image()], ["", ""], ["jpeg_compressibility"])
     with pytest.raises(ValueError, match="set_data_source.py"):
