@@ -16,6 +16,14 @@ Conventions (spec rewards_data_anchors.md §1-2):
 - `ocr` ground truth is the bare quoted target text; `pickscore` ground truth is the caption / edit instruction.
 - A reward that fails raises; it never turns into a zero.
 
+Extras (numeric, (B,) float32, NaN where a sample was not scored by that reward): `reward/<name>` for every reward
+computed; `pickscore/raw` = exp(logit_scale)*cos before the /26 (the published PickScore scale, ~21-24);
+`reward/combined` for multi-reward.
+
+Multi-reward (`--reward_weights ocr=1.0,jpeg_compressibility=0.01`): every sample is scored by every listed reward
+and gets the weighted sum. A reward that is not the row's own data_source reads its ground truth from extra_info
+(`ocr`: "target_text", `pickscore`: "instruction"; the edit converter writes both) and raises if it is absent.
+
 The scorer holds only plain config until a reward is first used, so it can be built in a separate reward process
 (e.g. a `multiprocessing` worker or a standalone server script) from a pickled `RewardConfig`.
 """
@@ -38,7 +46,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch

@@ -12,7 +12,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
