@@ -713,7 +713,8 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ocr_backend", choices=OCR_BACKENDS, default="http",
                    help="reader for data_source 'ocr': http = OpenAI-compatible GenRM server (vllm serve), "
                         "local = Qwen3-VL-Instruct with transformers in this process, rapidocr = CPU OCR engine")
-    g.add_argument("--genrm_url", default="http://127.0.0.1:8000", help="GenRM server base URL (http backend)")
+    g.add_argument("--genrm_url", default="http://127.0.0.1:8000",
+                   help="GenRM server base URL (http backend); a bearer key is read from $GENRM_API_KEY if set")
     g.add_argument("--genrm_model", default="Qwen/Qwen3-VL-8B-Instruct",
                    help="'model' field of each request (the name the server serves)")
     g.add_argument("--genrm_model_path", default=None,

@@ -68,15 +68,21 @@ def test_ocr_score_is_levenshtein_on_normalised_strings():
 
 def test_rapidocr_reads_rendered_text_and_not_noise():
     scorer = R.RewardScorer(R.RewardConfig(ocr_backend="rapidocr"))
-    images = [text_image("Hello World 42"), noise_image()]
+    two_lines = Image.new("RGB", (256, 160), "white")
+    draw = ImageDraw.Draw(two_lines)
+    draw.text((20, 20), "GRAND", fill="black", font=ImageFont.load_default(size=40))
+    draw.text((20, 90), "OPENING", fill="black", font=ImageFont.load_default(size=40))
+    images = [text_image("Hello World 42"), noise_image(), to_tensor(two_lines)]
     t0 = time.time()
-    res = scorer.score_batch(images, ["Hello World 42", "Hello World 42"], ["ocr", "ocr"])
+    res = scorer.score_batch(images, ["Hello World 42", "Hello World 42", "Grand Opening"], ["ocr"] * 3)
     elapsed = time.time() - t0
     assert res.rewards[0].item() == 1.0, res.texts
     assert res.rewards[1].item() < 0.2, res.texts
-    assert res.rewards.dtype == torch.float32 and res.rewards.shape == (2,)
+    assert res.rewards.dtype == torch.float32 and res.rewards.shape == (3,)
     assert res.texts["ocr/response"][0].replace(" ", "").lower() == "helloworld42"
-    print(f"RapidOCR: {elapsed / 2:.2f}s per image (incl. first-call warm-up)")
+    # Lines are concatenated in reading order with no separator (flow_grpo), so a two-line target still matches.
+    assert res.texts["ocr/response"][2] == "GRANDOPENING" and res.rewards[2].item() == 1.0
+    print(f"RapidOCR: {elapsed / 3:.2f}s per image (incl. first-call warm-up)")
 
 
 # ------------------------------------------------------------------------------------------------------------------
