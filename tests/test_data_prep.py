@@ -258,3 +258,26 @@ def test_set_data_source_errors(tmp_path):
         set_data_source.main(["--dataset-dir", str(tmp_path), "--data-source", "ocr"])
     with pytest.raises(SystemExit):  # exactly one of --data-source / --infer
         set_data_source.main(["--dataset-dir", str(tmp_path)])
+
+
+def test_synthetic_edit_scenes_are_legible_to_ocr(tmp_path):
+    """The rendered source word must be readable, or the OCR arm of the edit demo has nothing to learn from."""
+    import numpy as np
+    import torch
+
+    import rewards
+    from data_prep.dataset import PromptDataset
+
+    make_text_edit_data.main(["--output_dir", str(tmp_path / "src"), "--num_train", "2", "--num_test", "1",
+                              "--image_size", "256", "--seed", "3"])
+    boogu_image_edit_ocr.main(["--input_dir", str(tmp_path / "src"), "--output_dir", str(tmp_path / "pq"),
+                               "--image_size", "256", "--reward", "ocr", "--splits", "train"])
+    ds = PromptDataset(tmp_path / "pq" / "train.parquet", guidance=True)
+    sources = [json.loads(x)["source_text"] for x in (tmp_path / "src" / "train.jsonl").read_text().splitlines()]
+    images = [torch.from_numpy(np.array(ds[i].images[0])).permute(2, 0, 1) for i in range(len(ds))]
+    scorer = rewards.RewardScorer(rewards.RewardConfig(ocr_backend="rapidocr"))
+    res = scorer.score_batch(images, sources, ["ocr"] * len(ds))
+    assert res.rewards.tolist() == [1.0] * len(ds), res.texts
+    # ...and the ground truth of the OCR arm is the new word, which the source image does not show.
+    targets = [ds[i].ground_truth for i in range(len(ds))]
+    assert all(t != s for t, s in zip(targets, sources))
