@@ -261,7 +261,9 @@ def add_lora_adapters(
         r=int(rank), lora_alpha=alpha, target_modules=list(target_modules), init_lora_weights=init_lora_weights
     )
     for name in adapter_names:
-        inject_adapter_in_model(config, transformer, adapter_name=name)
+        with warnings.catch_warnings():  # peft warns that a second adapter is being added: that is the intent here
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            inject_adapter_in_model(config, transformer, adapter_name=name)
     _check_lora_binding(transformer, target_modules, block_prefixes)
     for name in adapter_names:
         for _, p in adapter_params(transformer, name):
