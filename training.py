@@ -122,7 +122,7 @@ def init_distributed(device: str | None = None, *, timeout_s: float = 1800.0) ->
     """Initialise the default process group from torchrun's env vars and return this process's `DistInfo`.
 
     device: "cuda", "cpu" or None (= cuda when available). CUDA uses NCCL with `cuda:LOCAL_RANK` as the current
-    device; CPU uses gloo. Without torchrun (no WORLD_SIZE in the env) a 1-process group on a free local port is
+    device (plus gloo for CPU tensors: backend "cpu:gloo,cuda:nccl"); CPU uses gloo. Without torchrun (no WORLD_SIZE in the env) a 1-process group on a free local port is
     created, so FSDP2, collectives and checkpoints run the same code path single-process. Calling it again when the
     group already exists just returns the info.
     """
@@ -145,12 +145,13 @@ def init_distributed(device: str | None = None, *, timeout_s: float = 1800.0) ->
                 f"torchrun with --nproc_per_node <= the number of trainer GPUs (check CUDA_VISIBLE_DEVICES)"
             )
         torch.cuda.set_device(local_rank)
-        dev, backend = torch.device("cuda", local_rank), "nccl"
+        # NCCL for CUDA tensors plus gloo for CPU tensors (object collectives, CPU metric vectors) in one group
+        dev, backend = torch.device("cuda", local_rank), "cpu:gloo,cuda:nccl"
     else:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
-        if backend == "nccl":
+        if dev.type == "cuda":
             kwargs["device_id"] = dev
         dist.init_process_group(**kwargs)
     return DistInfo(rank, world, local_rank, local_world, dev, backend)
@@ -394,18 +395,28 @@ def mixed_precision_policy(device: torch.device, precision: str = "bf16"):
 
 
 def shard_transformer(
-    transformer: nn.Module, block_prefixes: Sequence[str], *, mp_policy=None, reshard_after_forward: bool = True
+    transformer: nn.Module,
+    block_prefixes: Sequence[str],
+    *,
+    mp_policy=None,
+    device: torch.device | str | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """FSDP2: `fully_shard` every transformer block, then the root (embedders, norms, output projection).
 
-    Parameters become DTensors sharded on dim 0 over the default process group. Build the optimizer AFTER this.
+    Parameters become DTensors sharded on dim 0 over all ranks of the default process group, on `device`'s type
+    (default: where the parameters are now; an explicit mesh, because fully_shard's default mesh is CUDA whenever
+    CUDA exists). Build the optimizer AFTER this.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    device = torch.device(device) if device is not None else next(transformer.parameters()).device
+    mesh = init_device_mesh(device.type, (get_world_size(),))
     mp_policy = mp_policy or MixedPrecisionPolicy()
     for block in transformer_blocks(transformer, block_prefixes):
-        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(transformer, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return transformer
 
 
@@ -441,7 +452,8 @@ def prepare_transformer(
     )
     if activation_checkpointing:
         apply_activation_checkpointing(transformer, block_prefixes)
-    shard_transformer(transformer, block_prefixes, mp_policy=mixed_precision_policy(torch.device(device), precision))
+    shard_transformer(transformer, block_prefixes, mp_policy=mixed_precision_policy(torch.device(device), precision),
+                      device=device)
     return config
 
 

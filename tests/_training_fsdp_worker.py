@@ -23,9 +23,11 @@ import training as T  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 
 
-def build(lora_seed: int, sharded: bool):
+def build(lora_seed: int, sharded: bool, device: str = "cpu"):
     torch.manual_seed(0)  # the base weights are the same pretrained checkpoint in every build
     model = TinyFlowTransformer()
+    if device == "cuda":  # GPU check: bf16 base weights on the GPU, fp32 LoRA, bf16 compute via FSDP2's policy
+        model.to(device=torch.cuda.current_device(), dtype=torch.bfloat16)
     torch.manual_seed(lora_seed)
     lora_cfg = T.add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0,
                                    adapter_names=("default", "old"), block_prefixes=BLOCK_PREFIXES)
@@ -34,17 +36,18 @@ def build(lora_seed: int, sharded: bool):
             p.normal_(0, 0.2)
     if sharded:
         T.apply_activation_checkpointing(model, BLOCK_PREFIXES)
-        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=T.mixed_precision_policy(torch.device("cpu"), "bf16"))
+        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=T.mixed_precision_policy(torch.device(device), "bf16"))
     return model, lora_cfg
 
 
 def main() -> None:
     out_dir = sys.argv[1]
-    info = T.init_distributed("cpu")
-    assert info.backend == "gloo" and info.world_size == 2
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"  # "cuda": a manual GPU check (NCCL, bf16, fused AdamW)
+    info = T.init_distributed(device)
+    assert info.backend == ("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo") and info.world_size == 2
     T.seed_everything(0, per_rank=False)
-    data = torch.randn(16, 6, 4)  # 16 "prompts", identical on both ranks
-    model, lora_cfg = build(1, sharded=True)
+    data = torch.randn(16, 6, 4).to(info.device)  # 16 "prompts", identical on both ranks
+    model, lora_cfg = build(1, sharded=True, device=device)
     from torch.distributed.tensor import DTensor
 
     n_dtensor = sum(isinstance(p, DTensor) for p in model.parameters())
@@ -75,14 +78,14 @@ def main() -> None:
                              trainer_state={"stepper": stepper.state_dict()})
     # next step of the uninterrupted run
     batch = sampler.next_batch()
-    noise = torch.randn(())  # RNG draw after the save
+    noise = torch.randn(()).to(info.device) + torch.randn((), device=info.device)  # CPU and device RNG draws
     loss3 = model(data[batch.local] + noise).pow(2).mean()
     loss3.backward()
     stepper.step(opt)
     after3 = T.adapter_state_dict(model, "default")
 
     # resume into a freshly built model (different LoRA init) + fresh optimizer / sampler
-    model2, _ = build(123, sharded=True)
+    model2, _ = build(123, sharded=True, device=device)
     opt2 = T.build_optimizer(model2, lr=1e-2, weight_decay=0.01)
     stepper2 = T.GradStepper(max_grad_norm=0.05)
     sampler2 = T.PromptSampler(16, 4, seed=7, rank=info.rank, world_size=info.world_size)
@@ -92,7 +95,7 @@ def main() -> None:
     stepper2.load_state_dict(state["trainer_state"]["stepper"])
     old_loaded = T.adapter_state_dict(model2, "old")
     batch2 = sampler2.next_batch()
-    noise2 = torch.randn(())
+    noise2 = torch.randn(()).to(info.device) + torch.randn((), device=info.device)
     loss3b = model2(data[batch2.local] + noise2).pow(2).mean()
     loss3b.backward()
     stepper2.step(opt2)
@@ -112,8 +115,10 @@ def main() -> None:
         "resume_params_equal": all(torch.equal(after3[k], after3b[k]) for k in after3),
         "resume_step": state["step"],
         "ckpt_path": path,
+        "fused": bool(opt.defaults["fused"]),
+        "versions": T.library_versions(),
     }
-    if info.rank == 0:  # unsharded reference on the full global batch
+    if info.rank == 0 and device == "cpu":  # unsharded reference on the full global batch
         ref, _ = build(1, sharded=False)
         ref_opt = T.build_optimizer(ref, lr=1e-2, weight_decay=0.01)
         ref_stepper = T.GradStepper(max_grad_norm=0.05)
