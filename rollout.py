@@ -174,7 +174,7 @@ class RolloutResult:
     prompt_embeds / prompt_mask and negative_embeds / negative_mask: the encoder outputs used (model dtype),
     right-padded. ref_latents: edit reference latents (B, 16, h, w) fp32.
     metadata: shared facts (engine, family, sigmas used, size, steps, adapter version and bound-module count).
-    seeds: the per-sample seeds.
+    seeds: the per-sample seeds; window_starts: per-sample first SDE step (SDE rollouts).
     """
 
     images: torch.Tensor
@@ -183,6 +183,7 @@ class RolloutResult:
     prompt_mask: torch.Tensor
     seeds: list[int]
     metadata: dict[str, Any]
+    window_starts: list[int] | None = None
     negative_embeds: torch.Tensor | None = None
     negative_mask: torch.Tensor | None = None
     ref_latents: torch.Tensor | None = None
@@ -192,6 +193,10 @@ class RolloutResult:
 
     def __len__(self) -> int:
         return self.images.shape[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (no copies), for the process boundary: `RolloutResult(**d)` rebuilds it."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @staticmethod
     def cat(parts: Sequence["RolloutResult"]) -> "RolloutResult":
@@ -227,6 +232,7 @@ class RolloutResult:
         return RolloutResult(
             images=cat_tensor("images"), latents_clean=cat_tensor("latents_clean"), prompt_embeds=prompt_embeds,
             prompt_mask=prompt_mask, seeds=[s for p in parts for s in p.seeds], metadata=metadata,
+            window_starts=None if parts[0].window_starts is None else [s for p in parts for s in p.window_starts],
             negative_embeds=negative_embeds, negative_mask=negative_mask, ref_latents=cat_tensor("ref_latents"),
             all_latents=cat_tensor("all_latents"), all_timesteps=cat_tensor("all_timesteps"),
             all_log_probs=cat_tensor("all_log_probs"),
@@ -382,7 +388,6 @@ class NativeEngine:
             "noise_level": request.noise_level,
             "sde_type": request.sde_type,
             "window_size": width_w,
-            "window_starts": starts if stochastic else None,
             "adapter_version": self.adapter_version,
             "bound_modules": self.bound_modules,
             "generator_device": request.generator_device,
@@ -390,6 +395,7 @@ class NativeEngine:
         result = RolloutResult(
             images=images, latents_clean=latents.float().cpu(), prompt_embeds=prompt.embeds.cpu(),
             prompt_mask=prompt.mask.cpu(), seeds=list(request.seeds), metadata=metadata,
+            window_starts=starts if stochastic else None,
             negative_embeds=None if negative is None else negative.embeds.cpu(),
             negative_mask=None if negative is None else negative.mask.cpu(),
             ref_latents=None if ref_latents is None else ref_latents.float().cpu(),
@@ -488,7 +494,8 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
         op = message.get("op")
         try:
             if op == "generate":
-                reply = {"ok": True, "result": engine.generate(RolloutRequest.from_dict(message["request"]))}
+                result = engine.generate(RolloutRequest.from_dict(message["request"]))
+                reply = {"ok": True, "result": result.to_dict()}
             elif op == "load_adapter":
                 reply = {"ok": True, "bound_modules": engine.load_adapter(message["path"], message["version"])}
             elif op == "ping":
@@ -600,21 +607,21 @@ class RolloutGroup:
                 raise self._fail(worker, f"died during {what} (exit code {worker.process.returncode})")
 
     def _call_all(self, messages: list[dict], what: str) -> list[dict]:
-        """Send one message per worker (in parallel), then collect the replies in worker order."""
+        """Send one message per worker (they run in parallel), then collect every reply in worker order.
+
+        A worker that dies or hangs closes the group. A worker that reports an error (e.g. a request that
+        violates the contract) stays alive: all replies are drained first, then the first error is raised.
+        """
         for worker, message in zip(self.workers, messages):
             try:
                 _send(worker.process.stdin, message)
             except (BrokenPipeError, OSError):
                 raise self._fail(worker, f"is gone (could not send {what})") from None
-        replies = []
-        for worker in self.workers[: len(messages)]:
-            reply = self._read(worker, self.timeout_s, what)
+        replies = [self._read(worker, self.timeout_s, what) for worker in self.workers[: len(messages)]]
+        for worker, reply in zip(self.workers, replies):
             if not reply.get("ok"):
-                error = RolloutError(f"rollout worker {worker.index} ({worker.devices}) failed during {what}: "
-                                     f"{reply.get('error')}\n{reply.get('traceback', '')}")
-                self.close()
-                raise error
-            replies.append(reply)
+                raise RolloutError(f"rollout worker {worker.index} ({worker.devices}) failed during {what}: "
+                                   f"{reply.get('error')}\n{reply.get('traceback', '')}")
         return replies
 
     # ---- API --------------------------------------------------------------------------------------------------
@@ -632,7 +639,7 @@ class RolloutGroup:
         messages = [{"op": "generate", "request": dataclasses.asdict(request.select(range(bounds[i], bounds[i + 1])))}
                     for i in range(k)]
         replies = self._call_all(messages, "generate")
-        return RolloutResult.cat([r["result"] for r in replies])
+        return RolloutResult.cat([RolloutResult(**r["result"]) for r in replies])
 
     def load_adapter(self, adapter_dir: str, version: str) -> list[int]:
         """Every worker loads the PEFT adapter directory; returns each worker's bound-module count."""
@@ -670,6 +677,8 @@ class RolloutGroup:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker_main()
+        import rollout as _rollout  # run the module's own copy, not __main__'s, so its classes have one identity
+
+        _rollout.worker_main()
     else:
         sys.exit("rollout.py is started by the trainers' RolloutGroup (python rollout.py --worker ...)")

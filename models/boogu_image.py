@@ -44,6 +44,20 @@ from models.base import FlowModel, PromptEmbeds, per_row_noise, read_json, to_ui
 RopeTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (..., L, head_dim // 2) float32
 
 
+class StreamContext:
+    """Per-stream attention inputs: key padding mask (B, L) bool or None, and RoPE (cos, sin) float32.
+
+    A plain object on purpose: FSDP2's mixed-precision policy casts floating tensors found in a block's
+    arguments (pytrees) to the compute dtype; the RoPE tables must stay float32 (the released model keeps them
+    complex128, which that cast never touches), so they travel inside an object the cast does not traverse.
+    """
+
+    __slots__ = ("key_mask", "rope")
+
+    def __init__(self, key_mask: Optional[torch.Tensor], rope: RopeTable):
+        self.key_mask, self.rope = key_mask, rope
+
+
 def apply_rope(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
     """Rotate adjacent channel pairs (2i, 2i+1) of `x` (B, L, H, D) by the angles in `rope` ((B, L, D/2) each).
 
@@ -179,12 +193,12 @@ class BooguSelfAttention(nn.Module):
         self.norm_k = QKRMSNorm(self.head_dim, eps=1e-5)
         self.to_out = nn.ModuleList([nn.Linear(heads * self.head_dim, dim, bias=False), nn.Dropout(0.0)])
 
-    def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor], rope: RopeTable) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StreamContext) -> torch.Tensor:
         query = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, self.head_dim)))
         key = self.norm_k(self.to_k(x).unflatten(-1, (self.kv_heads, self.head_dim)))
         value = self.to_v(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        query, key = apply_rope(query, rope), apply_rope(key, rope)
-        out = attention(query, key, value, key_mask, self.scale).to(x.dtype)
+        query, key = apply_rope(query, ctx.rope), apply_rope(key, ctx.rope)
+        out = attention(query, key, value, ctx.key_mask, self.scale).to(x.dtype)
         return self.to_out[1](self.to_out[0](out))
 
 
@@ -227,8 +241,8 @@ class BooguJointAttention(nn.Module):
         query = self.norm_q(query.unflatten(-1, (self.heads, self.head_dim)))
         key = self.norm_k(key.unflatten(-1, (self.kv_heads, self.head_dim)))
         value = value.unflatten(-1, (self.kv_heads, self.head_dim))
-        query, key = apply_rope(query, layout.joint_rope), apply_rope(key, layout.joint_rope)
-        out = attention(query, key, value, layout.joint_key_mask, self.scale).to(img.dtype)
+        query, key = apply_rope(query, layout.joint.rope), apply_rope(key, layout.joint.rope)
+        out = attention(query, key, value, layout.joint.key_mask, self.scale).to(img.dtype)
         instruct_out, img_out = layout.split(out)
         # to_out is token-wise, so applying it per stream equals applying it to the merged sequence.
         instruct_out = self.to_out[1](self.to_out[0](p.instruct_out(instruct_out)))
@@ -251,16 +265,15 @@ class BooguImageTransformerBlock(nn.Module):
         self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
         self.ffn_norm2 = nn.RMSNorm(dim, eps=norm_eps)
 
-    def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor], rope: RopeTable,
-                temb: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StreamContext, temb: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.modulation:
             if temb is None:
                 raise ValueError("a modulated Boogu block needs the timestep embedding `temb`")
             normed, gate_attn, scale_ffn, gate_ffn = self.norm1(x, temb)
-            x = x + gate_attn[:, None].tanh() * self.norm2(self.attn(normed, key_mask, rope))
+            x = x + gate_attn[:, None].tanh() * self.norm2(self.attn(normed, ctx))
             ffn_out = self.feed_forward(self.ffn_norm1(x) * (1 + scale_ffn[:, None]))
             return x + gate_ffn[:, None].tanh() * self.ffn_norm2(ffn_out)
-        x = x + self.norm2(self.attn(self.norm1(x), key_mask, rope))
+        x = x + self.norm2(self.attn(self.norm1(x), ctx))
         return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
 
 
@@ -313,7 +326,7 @@ class BooguImageDoubleStreamTransformerBlock(nn.Module):
         ins_in2, ins_shift_ffn, _, _ = self.instruct_norm2(instruct, temb)
 
         img_joint, ins_joint = self.img_instruct_attn(img_in1, ins_in1, layout)
-        img_self = self.img_self_attn(img_in3, layout.img_key_mask, layout.img_rope)
+        img_self = self.img_self_attn(img_in3, layout.img)
 
         img = img + img_gate_joint[:, None].tanh() * self.img_attn_norm(img_joint)
         img = img + img_gate_self[:, None].tanh() * self.img_self_attn_norm(img_self)
@@ -354,10 +367,6 @@ class _Layout:
                 return None
             return torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
 
-        self.cap_key_mask = key_mask(cap_lens, self.cap_max)
-        self.noise_key_mask = key_mask(self.img_lens, self.img_max)
-        self.img_key_mask = key_mask(self.comb_lens, self.comb_max)
-        self.joint_key_mask = key_mask(self.seq_lens, self.seq_max)
         self.joint_valid = torch.arange(self.seq_max, device=device)[None, :] < torch.tensor(
             self.seq_lens, device=device)[:, None]
 
@@ -403,10 +412,12 @@ class _Layout:
                 return rope_from_tables(positions, freqs_cis)
             return rope_from_positions(positions, axes_dim, theta)
 
-        self.cap_rope = rope(cap_pos[None].expand(self.batch, -1, -1))
-        self.img_rope = rope(img_pos)
-        self.noise_rope = rope(noise_pos)
-        self.joint_rope = tuple(self.merge(c, i) for c, i in zip(self.cap_rope, self.img_rope))
+        cap_rope, img_rope = rope(cap_pos[None].expand(self.batch, -1, -1)), rope(img_pos)
+        self.cap = StreamContext(key_mask(cap_lens, self.cap_max), cap_rope)
+        self.img = StreamContext(key_mask(self.comb_lens, self.comb_max), img_rope)
+        self.noise = StreamContext(key_mask(self.img_lens, self.img_max), rope(noise_pos))
+        self.joint = StreamContext(key_mask(self.seq_lens, self.seq_max),
+                                   tuple(self.merge(c, i) for c, i in zip(cap_rope, img_rope)))
         # Reference images refined one per row: (num_refs, ref_max, ...).
         self.ref_owner = [b for b in range(self.batch) for _ in ref_sizes[b]]
         self.ref_flat_lens = [n for lens in self.ref_lens for n in lens]
@@ -416,8 +427,7 @@ class _Layout:
             padded = torch.zeros(len(ref_pos), self.ref_max, 3, dtype=torch.long, device=device)
             for r, piece in enumerate(ref_pos):
                 padded[r, : piece.shape[0]] = piece
-            self.ref_rope = rope(padded)
-            self.ref_key_mask = key_mask(self.ref_flat_lens, self.ref_max)
+            self.ref = StreamContext(key_mask(self.ref_flat_lens, self.ref_max), rope(padded))
 
     def merge(self, instruct: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
         """(B, cap_max, F) + (B, comb_max, F) -> joint (B, seq_max, F); padding positions are zero."""
@@ -648,9 +658,9 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         else:
             noise = self.x_embedder(nn.utils.rnn.pad_sequence([patchify(img, p) for img in images], batch_first=True))
         for block in self.context_refiner:
-            instruction = self._run(block, instruction, layout.cap_key_mask, layout.cap_rope)
+            instruction = self._run(block, instruction, layout.cap)
         for block in self.noise_refiner:
-            noise = self._run(block, noise, layout.noise_key_mask, layout.noise_rope, temb)
+            noise = self._run(block, noise, layout.noise, temb)
 
         # Reference tokens, one image per row (num_refs, ref_max, D), refined with their owner's temb.
         pieces: list[torch.Tensor] = []
@@ -661,7 +671,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             ref_tokens = ref_tokens + self.image_index_embedding[layout.ref_index_in_sample][:, None, :].to(ref_tokens.dtype)
             ref_temb = temb[layout.ref_owner]
             for block in self.ref_image_refiner:
-                ref_tokens = self._run(block, ref_tokens, layout.ref_key_mask, layout.ref_rope, ref_temb)
+                ref_tokens = self._run(block, ref_tokens, layout.ref, ref_temb)
         # Image stream per sample: [references ; noise], padded to comb_max.
         r = 0
         for b in range(batch):
@@ -677,7 +687,7 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             img, instruction = self._run(block, img, instruction, temb, layout)
         joint = layout.merge(instruction, img)
         for block in self.single_stream_layers:
-            joint = self._run(block, joint, layout.joint_key_mask, layout.joint_rope, temb)
+            joint = self._run(block, joint, layout.joint, temb)
 
         # Noise-image tokens only: joint positions [seq_b - img_b, seq_b).
         start = torch.tensor([s - n for s, n in zip(layout.seq_lens, layout.img_lens)], device=device)
@@ -853,8 +863,13 @@ class BooguImageModel(FlowModel):
     @classmethod
     def from_pretrained(cls, path: str, *, device: Union[torch.device, str] = "cpu",
                         dtype: torch.dtype = torch.float32, use_upstream_transformer: bool = False) -> "BooguImageModel":
-        """Load a Boogu-Image pipeline directory. `use_upstream_transformer=True` imports the transformer class
-        from the upstream `boogu` package instead of ours (raises ImportError when it is not importable)."""
+        """Load a Boogu-Image pipeline directory in `dtype` on `device`; every module is in eval mode with
+        requires_grad off (trainers add LoRA parameters, or re-enable what they fine-tune).
+
+        `use_upstream_transformer=True` imports the transformer class from the upstream `boogu` package instead
+        of ours (raises ImportError when it is not importable; never a silent fallback). Upstream picks its
+        attention kernels from the process environment variable `device` at import time (flash-attn and triton
+        when it contains "cuda" and they are installed, SDPA otherwise): set it before loading."""
         from diffusers import AutoencoderKL
         from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
@@ -963,6 +978,9 @@ class BooguImageModel(FlowModel):
         generator, then `(z - shift_factor) * scaling_factor`. All images must give the same size."""
         if len(images) != len(generators):
             raise ValueError(f"got {len(generators)} generators for {len(images)} reference images")
+        if any(image is None for image in images):
+            raise ValueError("encode_reference needs a reference image for every row (reference latents are one "
+                             "(B, 16, h, w) tensor); run text-to-image rows in a separate batch")
         latents = []
         for image, generator in zip(images, generators):
             pil = _to_pil(image)

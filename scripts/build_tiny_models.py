@@ -518,6 +518,120 @@ def build_boogu_image(out_dir: str, *, edit: bool) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# Words the tiny CLIP BPE learns its merges from (written by us; colours, shapes, sign words, edit verbs).
+_PICKSCORE_BPE_CORPUS = (
+    "a an the of on in with and to text sign that says reads red green blue yellow black white orange purple "
+    "pink brown gray circle square triangle star heart poster banner board shop store cafe coffee open closed "
+    "sale welcome hello world change picture photo image of a neon wooden street door window book cover cat dog "
+    "tree house car bottle label mug shirt cake card wall paper letter number painted written large small bold"
+)
+PICKSCORE_NUM_MERGES = 200
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte -> printable unicode character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _train_clip_bpe(words: list[str], num_merges: int) -> list[tuple[str, str]]:
+    """Greedy BPE over `words` in CLIP's convention (last symbol of a word carries '</w>'); ties broken by the pair's
+    sort order, so the result is deterministic."""
+    byte_map = _bytes_to_unicode()
+    seqs = []
+    for w in words:
+        syms = [byte_map[b] for b in w.encode("utf-8")]
+        syms[-1] = syms[-1] + "</w>"
+        seqs.append(syms)
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        counts: dict[tuple[str, str], int] = {}
+        for syms in seqs:
+            for pair in zip(syms, syms[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        for k, syms in enumerate(seqs):
+            out, i = [], 0
+            while i < len(syms):
+                if i + 1 < len(syms) and (syms[i], syms[i + 1]) == best:
+                    out.append(syms[i] + syms[i + 1])
+                    i += 2
+                else:
+                    out.append(syms[i])
+                    i += 1
+            seqs[k] = out
+    return merges
+
+
+def build_pickscore(out_dir: str) -> None:
+    """Tiny PickScore_v1 look-alike: a transformers CLIPModel (config.json, model.safetensors), a CLIP BPE tokenizer
+    built offline (vocab.json, merges.txt, tokenizer.json, tokenizer_config.json, special_tokens_map.json) and a
+    CLIPImageProcessor (preprocessor_config.json), as in the real repo.
+
+    Dims are ones open_clip can build from a derived config (head_width = width / heads, mlp_ratio 2), with exact
+    GELU like ViT-H-14. As in real CLIP, <|startoftext|>/<|endoftext|> are the last two ids, so open_clip's
+    argmax(token id) pooling and transformers' EOS pooling pick the same token.
+    """
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
+
+    byte_chars = list(_bytes_to_unicode().values())
+    merges = _train_clip_bpe(_PICKSCORE_BPE_CORPUS.split(), PICKSCORE_NUM_MERGES)
+    vocab_list = byte_chars + [c + "</w>" for c in byte_chars]
+    for a, b in merges:
+        merged = a + b
+        if merged not in vocab_list:
+            vocab_list.append(merged)
+    vocab_list += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {tok: i for i, tok in enumerate(vocab_list)}
+    bos_id, eos_id = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=list(merges), model_max_length=77)
+
+    config = CLIPConfig(
+        projection_dim=32,
+        logit_scale_init_value=2.6592,
+        text_config=dict(
+            vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+            max_position_embeddings=77, hidden_act="gelu", layer_norm_eps=1e-5, projection_dim=32,
+            bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, image_size=64,
+            patch_size=8, hidden_act="gelu", layer_norm_eps=1e-5, projection_dim=32,
+        ),
+    )
+    config.architectures = ["CLIPModel"]
+    seeded(42)
+    model = CLIPModel(config).eval()
+    with torch.no_grad():  # CLIP's init leaves LayerNorms at 1/0 and biases at 0; perturb so conversion bugs show
+        for name, p in model.named_parameters():
+            if "layer_norm" in name or "layrnorm" in name or name.endswith(".bias"):
+                p.add_(0.05 * torch.randn_like(p))
+        model.logit_scale.fill_(4.0)  # exp(4) ~ 54.6, so the /26 scale matters in tests
+    model.save_pretrained(out_dir, safe_serialization=True)
+    image_processor = CLIPImageProcessor(
+        do_resize=True, size={"shortest_edge": 64}, resample=3, do_center_crop=True,
+        crop_size={"height": 64, "width": 64}, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        do_convert_rgb=True,
+    )
+    image_processor.save_pretrained(out_dir)  # preprocessor_config.json, as in the real repo
+    tokenizer.save_pretrained(out_dir)
+    # The slow-tokenizer files the real repo also carries (CLIP's merges.txt starts with a version line).
+    write_json(os.path.join(out_dir, "vocab.json"), vocab)
+    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------------

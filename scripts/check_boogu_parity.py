@@ -6,9 +6,17 @@ T2I and edit (reference-image) inputs with padded instruction masks of different
 and non-square latents. Prints the max relative error (max |ours - upstream| / max |upstream|) per case and
 exits non-zero when any exceeds --tol.
 
+With `--pipeline DIR` (a Boogu pipeline directory, e.g. the tiny one from scripts/build_tiny_models.py) it also
+checks our `BooguImageModel` wrapper end to end against the released `BooguImagePipeline` built from the same
+components: a T2I batch with the default negative "" and an edit sample, both with text CFG 4.0, a few Euler steps
+from the same initial noise (and the same seeded VAE sample for the reference), compared on the decoded images.
+This exercises the system-prompt rule, right padding, the VLM features, the reference image's two paths,
+t = 1 - sigma, the sign, the CFG order and the schedule together.
+
 Usage (the upstream repo is never vendored or installed; it is imported from the path you give; it needs
 `einops`, e.g. `pip install --target /tmp/boogu_deps einops` and PYTHONPATH=/tmp/boogu_deps):
-    PYTHONPATH=/tmp/boogu_deps python scripts/check_boogu_parity.py --upstream /path/to/Boogu-Image
+    PYTHONPATH=/tmp/boogu_deps python scripts/check_boogu_parity.py --upstream /path/to/Boogu-Image \
+        [--pipeline .cache/tiny_models/boogu_image_edit]
 """
 
 from __future__ import annotations
@@ -80,11 +88,80 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
+def pipeline_parity(pipeline_dir: str, seed: int) -> dict[str, float]:
+    """Our wrapper's sampling loop vs the released pipeline on the same components; max rel err per case."""
+    import PIL.Image
+    from boogu.pipelines.boogu.pipeline_boogu import BooguImagePipeline
+    from boogu.schedulers.scheduling_flow_match_euler_discrete_time_shifting import FlowMatchEulerDiscreteScheduler
+    from boogu.models.transformers.transformer_boogu import BooguImageTransformer2DModel as UpstreamModel
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from models.boogu_image import BooguImageModel
+
+    ours = BooguImageModel.from_pretrained(pipeline_dir)
+    with open(os.path.join(pipeline_dir, "scheduler", "scheduler_config.json")) as f:
+        import json
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(json.load(f))
+    pipe = BooguImagePipeline(
+        transformer=UpstreamModel.from_pretrained(os.path.join(pipeline_dir, "transformer")).eval(),
+        vae=ours.vae, scheduler=scheduler, processor=ours.processor,
+        mllm=Qwen3VLForConditionalGeneration.from_pretrained(os.path.join(pipeline_dir, "mllm")).eval(),
+    )
+    steps, scale = 6, 4.0
+
+    def our_images(prompts, height, width, noise, refs=None, images=None):
+        prompt = ours.encode_prompt(prompts, images)
+        negative = ours.encode_prompt([""] * len(prompts))  # text-only default negative
+        sigmas = ours.schedule(steps, height, width)
+        x = noise.clone()
+        for i in range(steps):
+            v = ours.guided_velocity(x, sigmas[i].expand(len(prompts)), prompt, negative, scale, ref_latents=refs)
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+        with torch.no_grad():
+            decoded = ours.vae.decode(x / ours.scaling_factor + ours.shift_factor, return_dict=False)[0]
+        return (decoded / 2 + 0.5).clamp(0, 1)
+
+    def upstream_images(**kwargs):
+        with torch.no_grad():
+            return pipe(num_inference_steps=steps, text_guidance_scale=scale, output_type="pt", device="cpu",
+                        return_dict=False, **kwargs)
+
+    errs = {}
+    gen = torch.Generator().manual_seed(seed)
+    prompts = ["a red cat", 'A neon sign that reads "OPEN ALL NIGHT" above a rainy street, 35mm photo']
+    noise = torch.randn(2, 16, 8, 12, generator=gen)
+    ref = upstream_images(instruction=prompts, height=64, width=96, latents=noise.clone())
+    errs["pipeline_t2i"] = rel_err(our_images(prompts, 64, 96, noise), ref)
+
+    rng = torch.Generator().manual_seed(seed + 1)
+    image = PIL.Image.fromarray((torch.rand(80, 112, 3, generator=rng) * 255).to(torch.uint8).numpy())
+    h, w = 80, 112  # multiples of 16 under every cap: the VAE copy keeps this size (align_res output size)
+    vae_seed = seed + 2
+    refs = ours.encode_reference([image], [torch.Generator().manual_seed(vae_seed)])
+
+    def seeded_encode_vae(img):  # upstream samples the VAE posterior without a generator; seed it identically
+        z = ours.vae.encode(img.to(ours.vae.dtype)).latent_dist.sample(generator=torch.Generator().manual_seed(vae_seed))
+        return ((z - ours.vae.config.shift_factor) * ours.vae.config.scaling_factor).to(ours.vae.dtype)
+
+    pipe.encode_vae = seeded_encode_vae
+    noise = torch.randn(1, 16, h // 8, w // 8, generator=gen)
+    ref = upstream_images(instruction=["make the sky green"], input_images=[[image]], height=h, width=w,
+                          latents=noise.clone())
+    errs["pipeline_edit"] = rel_err(our_images(["make the sky green"], h, w, noise, refs, [image]), ref)
+    return errs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--upstream", required=True, help="path to a Boogu-Image checkout (contains boogu/)")
     parser.add_argument("--tol", type=float, default=1e-5, help="max allowed relative error")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pipeline", default=None,
+                        help="also compare our BooguImageModel sampling loop with the released pipeline on this "
+                             "Boogu pipeline directory (e.g. the tiny one)")
+    parser.add_argument("--pipeline-tol", type=float, default=1e-4,
+                        help="max allowed relative error of the decoded images in the pipeline check")
     args = parser.parse_args()
 
     if not os.path.isdir(os.path.join(args.upstream, "boogu")):
@@ -95,6 +172,21 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     from boogu.models.transformers.rope import BooguImageRotaryPosEmbed
     from boogu.models.transformers.transformer_boogu import BooguImageTransformer2DModel as UpstreamModel
+
+    # The released configuration (spec A.2), built on the meta device: identical key sets and shapes.
+    released = dict(TINY_CONFIGS["gqa_1x1x1"], in_channels=16, hidden_size=3360, num_layers=40,
+                    num_double_stream_layers=8, num_refiner_layers=2, num_attention_heads=28, num_kv_heads=7,
+                    multiple_of=256, axes_dim_rope=(40, 40, 40), axes_lens=(2048, 1664, 1664),
+                    instruction_feature_configs=dict(instruction_feat_dim=4096, reduce_type="mean",
+                                                     num_instruction_feat_layers=1))
+    with torch.device("meta"):
+        ours_shapes = {k: tuple(v.shape) for k, v in BooguImageTransformer2DModel(**released).state_dict().items()}
+        up_shapes = {k: tuple(v.shape) for k, v in UpstreamModel(**released).state_dict().items()}
+    if ours_shapes != up_shapes:
+        print(f"released config: state-dict mismatch ({len(set(ours_shapes) ^ set(up_shapes))} key differences)")
+        return 1
+    print(f"released config: {len(ours_shapes)} tensors, {sum(math.prod(s) for s in ours_shapes.values()) / 1e9:.4f}B "
+          "parameters, identical names and shapes")
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -111,8 +203,10 @@ def main() -> int:
             print(f"[{cfg_name}] config mismatch:\n ours={dict(ours.config)}\n upstream={dict(upstream.config)}")
             return 1
         freqs_cis = BooguImageRotaryPosEmbed.get_freqs_cis(cfg["axes_dim_rope"], cfg["axes_lens"], theta=10000)
-        for case in ("t2i", "edit"):
-            latents, timestep, instruction, mask, refs = make_inputs(cfg, case == "edit", args.seed + 1)
+        for case in ("t2i", "edit", "mixed"):  # mixed: sample 1 has no reference (T2I and edit in one batch)
+            latents, timestep, instruction, mask, refs = make_inputs(cfg, case != "t2i", args.seed + 1)
+            if case == "mixed":
+                refs[1] = None
             with torch.no_grad():
                 ref_out = upstream(latents, timestep, instruction, freqs_cis, mask, ref_image_hidden_states=refs)
                 our_out = ours(latents, timestep, instruction, instruction_attention_mask=mask,
@@ -129,10 +223,16 @@ def main() -> int:
                 "list": max(rel_err(o, r) for o, r in zip(our_list, ref_list)),
             }
             worst = max(worst, *errs.values())
-            print(f"[{cfg_name}] {case:4s} max rel err: " + ", ".join(f"{k}={v:.3e}" for k, v in errs.items())
+            print(f"[{cfg_name}] {case:5s} max rel err: " + ", ".join(f"{k}={v:.3e}" for k, v in errs.items())
                   + f"  (|upstream| max {ref_out.abs().max().item():.3f})")
     ok = worst <= args.tol
-    print(f"worst max relative error {worst:.3e} -> {'PASS' if ok else 'FAIL'} (tol {args.tol:.0e})")
+    print(f"transformer: worst max relative error {worst:.3e} -> {'PASS' if ok else 'FAIL'} (tol {args.tol:.0e})")
+    if args.pipeline:
+        errs = pipeline_parity(args.pipeline, args.seed)
+        pipe_worst = max(errs.values())
+        print("pipeline: " + ", ".join(f"{k}={v:.3e}" for k, v in errs.items()) + f" -> "
+              f"{'PASS' if pipe_worst <= args.pipeline_tol else 'FAIL'} (tol {args.pipeline_tol:.0e})")
+        ok = ok and pipe_worst <= args.pipeline_tol
     return 0 if ok else 1
 
 
