@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -158,6 +159,7 @@ def apply_lora(
     trainable: Sequence[str] | None = None,
     dropout: float = 0.0,
     init_lora_weights: bool = True,
+    use_rslora: bool = False,
 ) -> int:
     """Validate `targets`, then inject one PEFT LoRA adapter per name (e.g. ("default", "old")) with the same config.
 
@@ -175,7 +177,7 @@ def apply_lora(
         raise ValueError(f"adapters {clash} already exist on this transformer")
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=dropout,
-        init_lora_weights=init_lora_weights,
+        init_lora_weights=init_lora_weights, use_rslora=use_rslora,
     )
     peft_configs = getattr(transformer, "peft_config", None)
     peft_configs = dict(peft_configs) if isinstance(peft_configs, dict) else {}
@@ -400,7 +402,8 @@ def import_adapter(
         else:
             block_prefixes = sorted({n.split(".")[0] for n, _ in transformer.named_modules() if n})
         apply_lora(transformer, targets, rank=int(config["r"]), alpha=config["lora_alpha"],
-                   block_prefixes=block_prefixes, adapter_names=(adapter_name,), trainable=())
+                   block_prefixes=block_prefixes, adapter_names=(adapter_name,), trainable=(),
+                   use_rslora=bool(config.get("use_rslora", False)))
         layers = lora_layers(transformer, adapter_name)
     unbound = sorted(set(modules) - set(layers))
     if unbound:
@@ -420,8 +423,12 @@ def import_adapter(
             if a.shape != wa.shape or b.shape != wb.shape:
                 raise ValueError(f"{path}: adapter shapes A{tuple(a.shape)} B{tuple(b.shape)} do not match the model's "
                                  f"A{tuple(wa.shape)} B{tuple(wb.shape)} (different rank or model size)")
-            if layer.lora_alpha[adapter_name] != config["lora_alpha"]:
-                raise ValueError(f"{path}: lora_alpha {layer.lora_alpha[adapter_name]} != file's {config['lora_alpha']}")
+            r, alpha = wa.shape[0], config["lora_alpha"]
+            scaling = alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
+            if not math.isclose(layer.scaling[adapter_name], scaling, rel_tol=1e-6):
+                raise ValueError(f"{path}: the model's LoRA scaling {layer.scaling[adapter_name]} differs from the "
+                                 f"file's {scaling} (lora_alpha={alpha}, r={r}, use_rslora="
+                                 f"{config.get('use_rslora', False)})")
             wa.copy_(a.to(wa.dtype))
             wb.copy_(b.to(wb.dtype))
     return len(layers)

@@ -373,3 +373,23 @@ def test_flow_model_add_and_load_adapter(qwen_dir, trained_qwen, tmp_path):
     torch.testing.assert_close(run_transformer(m.transformer, inputs), v2, rtol=1e-5, atol=1e-6)
     m2 = load_model(qwen_dir)
     assert add_lora(m2, rank=2, alpha=2, adapter_names=("default", "old")) == 12 * t.config.num_layers
+
+
+def test_peft_reads_base_model_prefix_export(qwen_dir, qwen_inputs, trained_qwen, tmp_path):
+    """key_prefix="base_model.model." is PEFT's own saved form: PeftModel.from_pretrained binds it."""
+    from peft import PeftModel
+
+    t, _, out = trained_qwen
+    export_adapter(t, tmp_path / "peft", key_prefix="base_model.model.")
+    pm = PeftModel.from_pretrained(fresh_qwen_transformer(qwen_dir), str(tmp_path / "peft"))
+    torch.testing.assert_close(run_transformer(pm.base_model.model, qwen_inputs), out, rtol=1e-5, atol=1e-6)
+
+
+def test_import_scaling_mismatch_raises(qwen_dir, trained_qwen, tmp_path):
+    t, _, _ = trained_qwen
+    export_adapter(t, tmp_path / "a")
+    other = fresh_qwen_transformer(qwen_dir)
+    apply_lora(other, QwenImageModel.default_lora_targets, rank=4, alpha=4,  # alpha differs: scaling 1 vs 2
+               block_prefixes=QwenImageModel.lora_block_prefixes)
+    with pytest.raises(ValueError, match="scaling"):
+        import_adapter(other, tmp_path / "a")
