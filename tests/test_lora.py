@@ -393,3 +393,44 @@ def test_import_scaling_mismatch_raises(qwen_dir, trained_qwen, tmp_path):
                block_prefixes=QwenImageModel.lora_block_prefixes)
     with pytest.raises(ValueError, match="scaling"):
         import_adapter(other, tmp_path / "a")
+
+
+def test_export_gathers_fsdp2_sharded_adapter(tmp_path):
+    """Under FSDP2 the LoRA weights are DTensors; export gathers full tensors (1-rank gloo group on CPU)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from models.lora import read_adapter
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_q = torch.nn.Linear(8, 8)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+            self.proj_out = torch.nn.Linear(8, 8)
+
+    assert not dist.is_initialized(), "another test left a default process group behind"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        apply_lora(net, ["to_q"], rank=2, alpha=4, block_prefixes=("blocks",))
+        randomize_lora_(net, seed=5)
+        ref = {p: (l.lora_A["default"].weight.detach().clone(), l.lora_B["default"].weight.detach().clone())
+               for p, l in lora_layers(net).items()}
+        for block in net.blocks:
+            fully_shard(block)
+        fully_shard(net)
+        w = lora_layers(net)["blocks.0.to_q"].lora_A["default"].weight
+        assert type(w).__name__ == "DTensor"
+        assert export_adapter(net, tmp_path / "a") == 2
+        _, modules = read_adapter(str(tmp_path / "a"))
+        assert sorted(modules) == sorted(ref)
+        for p, (a, b) in ref.items():
+            assert torch.equal(modules[p]["A"], a) and torch.equal(modules[p]["B"], b)
+    finally:
+        dist.destroy_process_group()
