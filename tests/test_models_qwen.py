@@ -283,6 +283,14 @@ def test_transformer_save_load_round_trip(model, qwen_dir, tmp_path):
         assert torch.equal(v, sd[k]), k
 
 
+@pytest.mark.parametrize("change", [{"use_karras_sigmas": True}, {"use_dynamic_shifting": False},
+                                    {"time_shift_type": "linear"}, {"num_train_timesteps": 500}])
+def test_unsupported_scheduler_config_raises(model, change):
+    with pytest.raises(ValueError, match="scheduler"):
+        QwenImageModel(model.transformer, model.vae, model.text_encoder, model.tokenizer,
+                       {**model.scheduler_config, **change})
+
+
 def test_prompt_embeds_validation():
     with pytest.raises(ValueError):
         PromptEmbeds(torch.zeros(2, 3), torch.ones(2, 3))
