@@ -884,6 +884,7 @@ class BooguImageModel(FlowModel):
                 raise FileNotFoundError(f"{path} has no {sub}/ folder; a Boogu-Image pipeline needs transformer/ "
                                         "mllm/ processor/ scheduler/ vae/")
         scheduler_config = read_json(os.path.join(path, "scheduler", "scheduler_config.json"), "Boogu scheduler config")
+        boogu_schedule_mu(scheduler_config, latent_tokens=4096)  # unsupported settings fail before any weight loads
 
         freqs_cis = None
         if use_upstream_transformer:
