@@ -62,7 +62,7 @@ import losses
 __all__ = [
     # distributed
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "get_world_size", "get_local_rank",
-    "is_main_process", "is_local_main_process", "barrier", "seed_everything",
+    "is_main_process", "is_local_main_process", "barrier", "seed_everything", "all_gather_cat",
     # model preparation
     "add_lora_adapters", "adapter_params", "use_adapter", "adapters_disabled", "transformer_blocks",
     "apply_activation_checkpointing", "mixed_precision_policy", "shard_transformer", "prepare_transformer",
@@ -189,6 +189,21 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's (B, ...) tensor along dim 0 in rank order -> (W*B, ...), e.g. rewards for the
+    global-batch advantages. All ranks must pass the same shape and dtype (checked; a mismatch raises)."""
+    world = get_world_size()
+    if world == 1 or not dist.is_initialized():
+        return t
+    shapes: list[Any] = [None] * world
+    dist.all_gather_object(shapes, (tuple(t.shape), str(t.dtype)))
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(f"all_gather_cat: ranks hold different shapes/dtypes {shapes}; pad to equal per-rank batches")
+    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous())
+    return out
+
+
 def seed_everything(seed: int, *, per_rank: bool = True) -> int:
     """Seed python `random`, numpy's global RNG, torch CPU and all CUDA generators; return the seed used.
 
@@ -313,7 +328,11 @@ def _keep_requires_grad(module: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def use_adapter(transformer: nn.Module, adapter: str) -> Iterator[None]:
     """Run forwards with `adapter` active (e.g. "old" for DiffusionNFT's old-policy pass); restores the previous
-    active adapter and every `requires_grad` flag on exit."""
+    active adapter and every `requires_grad` flag on exit.
+
+    With activation checkpointing, backward RECOMPUTES block forwards with whatever adapter is active at backward
+    time: call `backward()` outside `use_adapter` / `adapters_disabled` blocks (i.e. with "default" active) and
+    run the old / reference forwards under `torch.no_grad()`."""
     layers = _lora_layers(transformer)
     if not layers:
         raise RuntimeError("use_adapter: the transformer has no LoRA layers (call add_lora_adapters first)")
@@ -440,7 +459,7 @@ def prepare_transformer(
     "old" starts as an independent random init, so hard-copy it (`copy_adapter_`) after any checkpoint load.
     """
     transformer.requires_grad_(False)
-    transformer.to(device)
+    # No whole-model move here: fully_shard moves each block to `device` as it shards it (lower peak memory).
     config = add_lora_adapters(
         transformer,
         target_modules=target_modules,
@@ -852,7 +871,6 @@ def save_checkpoint(
 
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    rank = get_rank()
     adapters = {name: adapter_state_dict(transformer, name) for name in adapter_names}
     # Before the first optimizer step there is no state to save, and get_optimizer_state_dict would create it with
     # a zero-lr step (advancing Adam's step count): save an explicit "no state" instead.
@@ -865,15 +883,10 @@ def save_checkpoint(
         dist.all_gather_object(rng_states, _rng_state())
     else:
         rng_states = [_rng_state()]
+    rank = get_rank()
     final = os.path.join(root, f"step_{step:08d}")
+    error: BaseException | None = None
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        tmp = os.path.join(root, f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
-        for name, state in adapters.items():
-            save_adapter_dir(state, lora_config, os.path.join(tmp, "adapters", name))
-        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
-        torch.save(rng_states, os.path.join(tmp, "rng.pt"))
         digest, values = config_fingerprint(config, fingerprint_ignore)
         state = {
             "step": int(step),
@@ -887,32 +900,66 @@ def save_checkpoint(
             "trainer_state": dict(trainer_state or {}),
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
+        try:
+            _write_checkpoint_dir(root, final, state, adapters, lora_config, optim_state, rng_states)
+            if keep_last is not None and keep_last > 0:
+                for old_step in _complete_steps(root)[:-keep_last]:
+                    shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised below on every rank
+            error = e
+    _raise_if_any_rank_failed(error, f"save_checkpoint({final})")
+    return final
+
+
+def _raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
+    """Collective: every rank raises when any rank failed (instead of the others hanging in a later collective)."""
+    messages: list[Any] = [None] * get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if dist.is_initialized() and get_world_size() > 1:
+        dist.all_gather_object(messages, mine)
+    else:
+        messages = [mine]
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+
+
+def _write_checkpoint_dir(root: str, final: str, state: dict[str, Any], adapters: Mapping[str, Mapping[str, torch.Tensor]],
+                          lora_config, optim_state: Any, rng_states: list[Any]) -> None:
+    """Rank 0: write everything into a temp dir, fsync, marker last, rename into place (temp removed on error)."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        for name, tensors in adapters.items():
+            save_adapter_dir(tensors, lora_config, os.path.join(tmp, "adapters", name))
+        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
+        torch.save(rng_states, os.path.join(tmp, "rng.pt"))
         with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=2, sort_keys=True)
         for dirpath, _, files in os.walk(tmp):
             for fname in files:
                 with open(os.path.join(dirpath, fname), "rb") as fh:
                     os.fsync(fh.fileno())
-        marker = {"step": int(step), "files": _file_sizes(tmp)}
+        marker = {"step": state["step"], "files": _file_sizes(tmp)}  # sizes of everything but the marker itself
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump(marker, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step: swap, then delete the previous copy
-            trash = os.path.join(root, f".trash-step_{step:08d}-{uuid.uuid4().hex[:8]}")
+            trash = os.path.join(root, f".trash-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
             os.rename(final, trash)
             os.rename(tmp, final)
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-        if keep_last is not None and keep_last > 0:
-            complete = _complete_steps(root)
-            for old_step in complete[:-keep_last]:
-                shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
-    barrier()
-    return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _complete_steps(root: str) -> list[int]:
@@ -1011,11 +1058,14 @@ def load_checkpoint(
         tensors, _ = read_adapter_dir(os.path.join(path, "adapters", name))
         load_adapter_state_(transformer, name, tensors)
     optimizer.zero_grad(set_to_none=True)  # torch initialises missing optimizer state only when no grads exist
-    try:
-        optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False) if get_rank() == 0 else {}
+    error, optim_state, rng_states = None, {}, []
+    try:  # optimizer.pt: rank 0 reads, set_optimizer_state_dict broadcasts; rng.pt: every rank takes its entry
+        if get_rank() == 0:
+            optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
         rng_states = torch.load(os.path.join(path, "rng.pt"), map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read optimizer.pt / rng.pt ({type(e).__name__}: {e})") from e
+    except Exception as e:  # noqa: BLE001
+        error = CheckpointError(f"checkpoint {path}: cannot read optimizer.pt / rng.pt ({type(e).__name__}: {e})")
+    _raise_if_any_rank_failed(error, f"load_checkpoint({path})")
     if state["optimizer_state"]:
         set_optimizer_state_dict(
             transformer, optimizer, optim_state,

@@ -82,6 +82,11 @@ def test_init_distributed_single_process(one_process_group):
     assert T.init_distributed("cpu") == info  # idempotent
 
 
+def test_all_gather_cat_single_process():
+    t = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(T.all_gather_cat(t), t)
+
+
 def test_seed_everything_reproducible():
     T.seed_everything(5)
     a = (random.random(), np.random.rand(), torch.rand(()).item())
@@ -149,6 +154,28 @@ def test_adapter_switching_and_disabling(shard):
     with pytest.raises(ValueError, match="unknown adapter"):
         with T.use_adapter(model, "nope"):
             pass
+
+
+def test_nft_forward_pattern_with_checkpointing_and_fsdp():
+    """DiffusionNFT's pattern: policy forward with grad, old and reference forwards under no_grad inside the adapter
+    contexts, then backward (with "default" active again). With activation checkpointing + FSDP2 the gradients must
+    equal those of a plain model that only ran the policy forward."""
+    plain, _ = make_model(shard=False)
+    ck, _ = make_model(shard=False)
+    T.apply_activation_checkpointing(ck, BLOCK_PREFIXES)
+    T.shard_transformer(ck, BLOCK_PREFIXES)
+    x = torch.randn(2, 5, 4)
+    plain(x).pow(2).mean().backward()
+    loss = ck(x).pow(2).mean()
+    with torch.no_grad():
+        with T.use_adapter(ck, "old"):
+            ck(x)
+        with T.adapters_disabled(ck):
+            ck(x)
+    loss.backward()
+    for (n, p), (_, q) in zip(T.adapter_params(plain, "default"), T.adapter_params(ck, "default")):
+        torch.testing.assert_close(T._full(q.grad), p.grad, rtol=1e-6, atol=1e-7, msg=n)
+    assert all(q.grad is None for _, q in T.adapter_params(ck, "old"))
 
 
 def test_activation_checkpointing_keeps_names_and_grads():
@@ -425,7 +452,10 @@ def test_checkpoint_layout_and_atomic_save(trained_checkpoint, monkeypatch):
         _save(root, 7, model, cfg, opt, stepper, sampler)
     monkeypatch.setattr(torch, "save", real_save)
     assert not os.path.exists(os.path.join(root, "step_00000007"))
-    assert [n for n in os.listdir(root) if n.startswith(".tmp-step_00000007")]
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp")]  # the failed save cleaned its temp dir
+    assert T.find_latest(root) == path
+    # a process killed mid-save leaves a temp dir behind: ignored
+    shutil.copytree(path, os.path.join(root, ".tmp-step_00000007-deadbeef"))
     assert T.find_latest(root) == path
     # keep_last prunes older complete checkpoints; re-saving a step replaces it atomically
     _save(root, 8, model, cfg, opt, stepper, sampler)
@@ -665,6 +695,11 @@ def test_fsdp2_lora_two_ranks(tmp_path):
         assert r["refresh"]["old_policy/copy_update"] == 1.0
     # both ranks agree on every reduced metric, the global batches and the gathered adapter weights
     assert r0["steps"] == r1["steps"] and r0["batches"] == r1["batches"] and r0["default_sum"] == r1["default_sum"]
+    assert r0["gathered"] == r1["gathered"] == [0.0, 0.0, 1.0, 1.0]  # all_gather_cat, rank order
+    # a save failing on rank 0 raises on both ranks (rank 1 names rank 0's error) and leaves no step directory
+    assert r0["failed_save"] == "OSError: disk full (simulated on rank 0)"
+    assert r1["failed_save"].startswith("CheckpointError") and "rank 0" in r1["failed_save"]
+    assert not r0["step9_exists"] and not r1["step9_exists"]
     assert all(s["actor/rank"] == 0.5 for s in r0["steps"])  # mean over ranks of 0 and 1
     # sharded training equals an unsharded model trained on the full global batch
     for s, ref_norm, ref_loss in zip(r0["steps"], r0["ref_norms"], r0["ref_losses"]):
