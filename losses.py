@@ -33,6 +33,7 @@ __all__ = [
     "old_policy_decay",
     "reward_probability",
     "sde_step",
+    "sigmas_at_timesteps",
     "time_shift_mu",
 ]
 
@@ -108,6 +109,30 @@ def flow_sigmas(num_steps: int, *, mu: float, shift_terminal: float | None = Non
         shifted = one - one_minus / scale
     sigmas = torch.from_numpy(np.ascontiguousarray(shifted, dtype=np.float32))
     return torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])
+
+
+def sigmas_at_timesteps(timesteps: torch.Tensor, sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Look stored scheduler timesteps up in a schedule by EXACT equality: ``(sigma, sigma_next)``, each
+    shaped like ``timesteps``.
+
+    ``timesteps`` are ``1000 * sigma`` float32 values a rollout stored; ``sigmas`` is the ``(N+1,)`` schedule the
+    replay rebuilt with `flow_sigmas`. Step ``i`` has ``timesteps[i] = sigmas[i] * 1000`` (float32 multiply) and
+    moves from ``sigmas[i]`` to ``sigmas[i + 1]``. A timestep that is not in the schedule means rollout and
+    replay built different schedules (a silent RL breaker), so it raises instead of rounding to the nearest.
+    """
+    sigmas = sigmas.to(torch.float32)
+    schedule_timesteps = sigmas[:-1] * 1000
+    stored = timesteps.to(device=sigmas.device, dtype=torch.float32)
+    matches = stored.reshape(-1, 1) == schedule_timesteps.reshape(1, -1)
+    found = matches.any(dim=1)
+    if not bool(found.all().item()):
+        missing = stored.reshape(-1)[~found][:4].tolist()
+        raise ValueError(
+            f"timesteps {missing} are not in the replay schedule {schedule_timesteps.tolist()}: rollout and "
+            "replay built different schedules (check num_inference_steps, size, mu and shift_terminal)"
+        )
+    index = matches.float().argmax(dim=1)
+    return sigmas[index].reshape(timesteps.shape), sigmas[index + 1].reshape(timesteps.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------

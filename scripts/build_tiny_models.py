@@ -16,13 +16,15 @@ tokenizer.json), so prompt templates and the 34-token Qwen-Image prefix are toke
 checkpoints. That package carries a Qwen3 text tokenizer config; the chat templates and the per-model special-token
 sets of the VL checkpoints are written here.
 
-Every weight is drawn from a fixed seed, so two builds are identical. A folder counts as complete when its
-`.complete` marker (written last) exists; existing complete folders are kept unless --force.
+Every weight is drawn from a fixed seed, so two builds are identical. Each folder is built in a temporary sibling
+and renamed into place; it counts as complete when its `.complete` marker (written last) holds the sha256 of this
+script, so complete folders are kept (unless --force) and folders from another builder version are rebuilt.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -121,22 +123,36 @@ QWEN25_CHAT_TEMPLATE = qwen_vl_chat_template("You are a helpful assistant.")
 QWEN3_VL_CHAT_TEMPLATE = qwen_vl_chat_template(None)
 
 
+@functools.lru_cache(maxsize=None)
+def _tokenizer_files(flavour: str) -> tuple[str, str]:
+    """(tokenizer.json text, tokenizer_config.json base dict as JSON) for a flavour, computed once per process."""
+    src = qwen_tokenizer_source_dir()
+    last_id = QWEN25_LAST_ADDED_ID if flavour == "qwen2.5" else 10**9
+    with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
+        text = f.read()
+    if flavour == "qwen2.5":
+        tok = json.loads(text)
+        tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= last_id]
+        text = json.dumps(tok, ensure_ascii=False)  # no indent: the C encoder, ~1 s instead of ~10 s
+    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items() if int(k) <= last_id}
+    return text, json.dumps(cfg)
+
+
 def write_qwen_tokenizer(out_dir: str, *, flavour: str, processor_class: str | None, chat_template: str) -> None:
     """Write the real Qwen BPE tokenizer files into `out_dir` with the config of `flavour` ("qwen2.5" keeps the
     added tokens up to <|file_sep|>, "qwen3" all of them)."""
+    if flavour not in ("qwen2.5", "qwen3"):
+        raise ValueError(f"unknown tokenizer flavour {flavour!r}")
     src = qwen_tokenizer_source_dir()
     os.makedirs(out_dir, exist_ok=True)
     for name in ("vocab.json", "merges.txt"):
         shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
-    last_id = QWEN25_LAST_ADDED_ID if flavour == "qwen2.5" else 10**9
-    with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
-        tok = json.load(f)
-    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= last_id]
+    tokenizer_json, cfg_json = _tokenizer_files(flavour)
     with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tok, f, ensure_ascii=False, indent=2)
-    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items() if int(k) <= last_id}
+        f.write(tokenizer_json)
+    cfg = json.loads(cfg_json)
     cfg["additional_special_tokens"] = list(SPECIAL_TOKENS)
     cfg["chat_template"] = chat_template
     cfg["model_max_length"] = 131072
@@ -148,6 +164,20 @@ def write_qwen_tokenizer(out_dir: str, *, flavour: str, processor_class: str | N
         cfg["processor_class"] = processor_class
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, ensure_ascii=False, indent=2, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def qwen3_tokenizer():
+    """The Qwen3-VL tokenizer object (real files), loaded once per process."""
+    from transformers import Qwen2Tokenizer
+
+    tok_dir = tempfile.mkdtemp(prefix="qwen3vl_tok_")
+    try:
+        write_qwen_tokenizer(tok_dir, flavour="qwen3", processor_class="Qwen3VLProcessor",
+                             chat_template=QWEN3_VL_CHAT_TEMPLATE)
+        return Qwen2Tokenizer.from_pretrained(tok_dir)
+    finally:
+        shutil.rmtree(tok_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +324,6 @@ def build_qwen3_vl(model_dir: str, processor_dir: str, *, seed: int, hidden_size
     Qwen2VLImageProcessor with patch 16 / merge 2, Qwen3VLVideoProcessor, chat template) to `processor_dir`
     (the two may be the same directory, as in a Hugging Face VLM repo)."""
     from transformers import (
-        Qwen2Tokenizer,
         Qwen2VLImageProcessor,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
@@ -346,13 +375,7 @@ def build_qwen3_vl(model_dir: str, processor_dir: str, *, seed: int, hidden_size
     model = Qwen3VLForConditionalGeneration(config).eval()
     model.save_pretrained(model_dir)
 
-    tok_dir = tempfile.mkdtemp(prefix="qwen3vl_tok_")
-    try:
-        write_qwen_tokenizer(tok_dir, flavour="qwen3", processor_class="Qwen3VLProcessor",
-                             chat_template=QWEN3_VL_CHAT_TEMPLATE)
-        tokenizer = Qwen2Tokenizer.from_pretrained(tok_dir)
-    finally:
-        shutil.rmtree(tok_dir, ignore_errors=True)
+    tokenizer = qwen3_tokenizer()
     image_processor = Qwen2VLImageProcessor(
         patch_size=16,
         temporal_patch_size=2,
@@ -399,17 +422,214 @@ def build_qwen3_vl_genrm(out_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# The released Boogu scheduler config as the checkpoints ship it (spec A.8: static v1, seq_len 4096 -> mu 1.15).
+# Written byte-for-byte: the wrapper reads this file as raw JSON (diffusers would drop the custom keys).
+BOOGU_SCHEDULER_CONFIG_JSON = """{
+  "_class_name": "FlowMatchEulerDiscreteScheduler",
+  "_diffusers_version": "0.35.2",
+  "base_shift": 0.5,
+  "do_shift": true,
+  "dynamic_time_shift": false,
+  "max_shift": 1.15,
+  "num_train_timesteps": 1000,
+  "seq_len": 4096,
+  "time_shift_v2_half_scaling_factor": 60.0,
+  "time_shift_version": "v1"
+}
+"""
+
+# spec A.1 (Base and Edit share the _class_name).
+BOOGU_MODEL_INDEX = {
+    "_class_name": "BooguImagePipeline",
+    "_diffusers_version": "0.35.2",
+    "mllm": ["transformers", "Qwen3VLForConditionalGeneration"],
+    "processor": ["transformers", "Qwen3VLProcessor"],
+    "scheduler": ["scheduling_flow_match_euler_discrete_time_shifting", "FlowMatchEulerDiscreteScheduler"],
+    "transformer": ["transformer_boogu", "BooguImageTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+# Tiny transformer: the released keys with tiny sizes. head_dim 48/2 = 24 = sum(axes_dim_rope); GQA 2 -> 1 heads;
+# axes_lens as released (instruction + reference span < 2048); instruction_feat_dim = the tiny Qwen3-VL hidden.
+TINY_BOOGU_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=None,
+    hidden_size=48,
+    num_layers=2,
+    num_double_stream_layers=1,
+    num_refiner_layers=1,
+    num_attention_heads=2,
+    num_kv_heads=1,
+    multiple_of=16,
+    ffn_dim_multiplier=None,
+    norm_eps=1e-5,
+    axes_dim_rope=(8, 8, 8),
+    axes_lens=(2048, 1664, 1664),
+    instruction_feature_configs=dict(instruction_feat_dim=TINY_TEXT_HIDDEN, reduce_type="mean",
+                                     num_instruction_feat_layers=1),
+    prompt_tuning_configs=dict(use_prompt_tuning=False),
+    timestep_scale=1000.0,
+)
+
+
 def build_boogu_image(out_dir: str, *, edit: bool) -> None:
     """Tiny Boogu-Image pipeline (transformer/ mllm/ processor/ scheduler/ vae/ model_index.json).
 
-    Owned by the boogu branch, which fills it in around its transformer (uses `build_qwen3_vl` for mllm/ +
-    processor/)."""
-    raise NotImplementedError("implemented on the boogu branch")
+    Base and Edit have the same architecture and layout (spec A.2); they differ only in their seeds here.
+    The transformer is our `models.boogu_image.BooguImageTransformer2DModel`, whose config keys and parameter
+    names are the released ones; the VAE is a tiny FLUX-style AutoencoderKL (x8, 16 latent channels, the released
+    scaling 0.3611 / shift 0.1159)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from diffusers import AutoencoderKL
+
+    from models.boogu_image import BooguImageTransformer2DModel
+
+    seed = 40 if edit else 30
+    seeded(seed)
+    transformer = BooguImageTransformer2DModel(**TINY_BOOGU_TRANSFORMER)
+    transformer.save_pretrained(os.path.join(out_dir, "transformer"))
+    build_qwen3_vl(os.path.join(out_dir, "mllm"), os.path.join(out_dir, "processor"), seed=seed + 1)
+    seeded(seed + 2)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    vae.save_pretrained(os.path.join(out_dir, "vae"))
+    os.makedirs(os.path.join(out_dir, "scheduler"), exist_ok=True)
+    with open(os.path.join(out_dir, "scheduler", "scheduler_config.json"), "w", encoding="utf-8") as f:
+        f.write(BOOGU_SCHEDULER_CONFIG_JSON)
+    write_json(os.path.join(out_dir, "model_index.json"), BOOGU_MODEL_INDEX)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # PickScore (the rewards branch appends `build_pickscore(out_dir)` below)
 # ---------------------------------------------------------------------------------------------------------------
+
+
+# Words the tiny CLIP BPE learns its merges from (written by us; colours, shapes, sign words, edit verbs).
+_PICKSCORE_BPE_CORPUS = (
+    "a an the of on in with and to text sign that says reads red green blue yellow black white orange purple "
+    "pink brown gray circle square triangle star heart poster banner board shop store cafe coffee open closed "
+    "sale welcome hello world change picture photo image of a neon wooden street door window book cover cat dog "
+    "tree house car bottle label mug shirt cake card wall paper letter number painted written large small bold"
+)
+PICKSCORE_NUM_MERGES = 200
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte -> printable unicode character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _train_clip_bpe(words: list[str], num_merges: int) -> list[tuple[str, str]]:
+    """Greedy BPE over `words` in CLIP's convention (last symbol of a word carries '</w>'); ties broken by the pair's
+    sort order, so the result is deterministic."""
+    byte_map = _bytes_to_unicode()
+    seqs = []
+    for w in words:
+        syms = [byte_map[b] for b in w.encode("utf-8")]
+        syms[-1] = syms[-1] + "</w>"
+        seqs.append(syms)
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        counts: dict[tuple[str, str], int] = {}
+        for syms in seqs:
+            for pair in zip(syms, syms[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        for k, syms in enumerate(seqs):
+            out, i = [], 0
+            while i < len(syms):
+                if i + 1 < len(syms) and (syms[i], syms[i + 1]) == best:
+                    out.append(syms[i] + syms[i + 1])
+                    i += 2
+                else:
+                    out.append(syms[i])
+                    i += 1
+            seqs[k] = out
+    return merges
+
+
+def build_pickscore(out_dir: str) -> None:
+    """Tiny PickScore_v1 look-alike: a transformers CLIPModel (config.json, model.safetensors), a CLIP BPE tokenizer
+    built offline (vocab.json, merges.txt, tokenizer.json, tokenizer_config.json, special_tokens_map.json) and a
+    CLIPImageProcessor (preprocessor_config.json), as in the real repo.
+
+    Dims are ones open_clip can build from a derived config (head_width = width / heads, mlp_ratio 2), with exact
+    GELU like ViT-H-14. As in real CLIP, <|startoftext|>/<|endoftext|> are the last two ids, so open_clip's
+    argmax(token id) pooling and transformers' EOS pooling pick the same token.
+    """
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
+
+    byte_chars = list(_bytes_to_unicode().values())
+    merges = _train_clip_bpe(_PICKSCORE_BPE_CORPUS.split(), PICKSCORE_NUM_MERGES)
+    vocab_list = byte_chars + [c + "</w>" for c in byte_chars]
+    for a, b in merges:
+        merged = a + b
+        if merged not in vocab_list:
+            vocab_list.append(merged)
+    vocab_list += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {tok: i for i, tok in enumerate(vocab_list)}
+    bos_id, eos_id = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=list(merges), model_max_length=77)
+
+    config = CLIPConfig(
+        projection_dim=32,
+        logit_scale_init_value=2.6592,
+        text_config=dict(
+            vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+            max_position_embeddings=77, hidden_act="gelu", layer_norm_eps=1e-5, projection_dim=32,
+            bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, image_size=64,
+            patch_size=8, hidden_act="gelu", layer_norm_eps=1e-5, projection_dim=32,
+        ),
+    )
+    config.architectures = ["CLIPModel"]
+    seeded(42)
+    model = CLIPModel(config).eval()
+    with torch.no_grad():  # CLIP's init leaves LayerNorms at 1/0 and biases at 0; perturb so conversion bugs show
+        for name, p in model.named_parameters():
+            if "layer_norm" in name or "layrnorm" in name or name.endswith(".bias"):
+                p.add_(0.05 * torch.randn_like(p))
+        model.logit_scale.fill_(4.0)  # exp(4) ~ 54.6, so the /26 scale matters in tests
+    model.save_pretrained(out_dir, safe_serialization=True)
+    image_processor = CLIPImageProcessor(
+        do_resize=True, size={"shortest_edge": 64}, resample=3, do_center_crop=True,
+        crop_size={"height": 64, "width": 64}, do_rescale=True, rescale_factor=1 / 255, do_normalize=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        do_convert_rgb=True,
+    )
+    image_processor.save_pretrained(out_dir)  # preprocessor_config.json, as in the real repo
+    tokenizer.save_pretrained(out_dir)
+    # The slow-tokenizer files the real repo also carries (CLIP's merges.txt starts with a version line).
+    write_json(os.path.join(out_dir, "vocab.json"), vocab)
+    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -430,8 +650,21 @@ def builders() -> dict[str, Callable[[str], None]]:
     return table
 
 
+def builder_fingerprint() -> str:
+    """sha256 of this script: a cached folder built by a different version of the builders is rebuilt."""
+    import hashlib
+
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MARKER))
+    """True when `path` holds a finished build (marker written last) from this version of the builders."""
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        return False
+    with open(marker, encoding="utf-8") as f:
+        return f.read().strip() == builder_fingerprint()
 
 
 def build_one(name: str, out_root: str, *, force: bool) -> float:
@@ -441,10 +674,14 @@ def build_one(name: str, out_root: str, *, force: bool) -> float:
         return 0.0
     t0 = time.time()
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp.", dir=out_root)
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         builders()[name](tmp)
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            f.write("built by scripts/build_tiny_models.py\n")
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            f.write(builder_fingerprint() + "\n")
+        if is_complete(final) and not force:  # a concurrent build finished first: keep it
+            shutil.rmtree(tmp, ignore_errors=True)
+            return time.time() - t0
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -661,3 +661,19 @@ def test_ema_update_copy_and_decay():
         losses.ema_update_(old, new, 1.5)
     with pytest.raises(ValueError, match="parameter 0"):
         losses.ema_update_([torch.zeros(2)], [torch.zeros(3)], 0.5)
+
+
+def test_sigmas_at_timesteps_is_an_exact_lookup():
+    sigmas = losses.flow_sigmas(10, mu=qwen_mu(1024), shift_terminal=0.02)
+    idx = torch.tensor([[0, 3], [8, 9]])
+    stored = (sigmas[:-1] * 1000)[idx]
+    sigma, sigma_next = losses.sigmas_at_timesteps(stored, sigmas)
+    assert torch.equal(sigma, sigmas[idx])
+    assert torch.equal(sigma_next, sigmas[idx + 1])
+    # a timestep off by one float32 ulp is a different schedule: fail, never round to the nearest
+    off = torch.nextafter(stored[0, 1:], torch.tensor(0.0))
+    with pytest.raises(ValueError, match="different schedules"):
+        losses.sigmas_at_timesteps(off, sigmas)
+    other = losses.flow_sigmas(10, mu=qwen_mu(4096), shift_terminal=0.02)
+    with pytest.raises(ValueError, match="different schedules"):
+        losses.sigmas_at_timesteps(other[1:3] * 1000, sigmas)
