@@ -20,6 +20,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 torch.set_num_threads(1)
 
 import training as T  # noqa: E402
+from models import lora  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main() -> None:
     opt = T.build_optimizer(model, lr=1e-2, weight_decay=0.01)
     stepper = T.GradStepper(max_grad_norm=0.05)
     sampler = T.PromptSampler(16, 4, seed=7, rank=info.rank, world_size=info.world_size)
-    T.copy_adapter_(model)  # old <- default at start
+    lora.copy_adapter_(model, "default", "old")  # old <- default at start
     acc = T.MetricAccumulator()
     steps = []
     batches = []

@@ -26,6 +26,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
+from models import lora  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -119,7 +120,7 @@ def test_lora_layout_and_trainable_set():
 
 def test_lora_binding_fails_closed():
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match="binds no module"):
+    with pytest.raises(ValueError, match="bind no module"):
         T.add_lora_adapters(TinyFlowTransformer(), target_modules=("to_q", "to_qq"), rank=2, alpha=2,
                             block_prefixes=BLOCK_PREFIXES)
     with pytest.raises(ValueError, match="outside the transformer blocks"):
@@ -141,7 +142,7 @@ def test_adapter_switching_and_disabling(shard):
         with T.use_adapter(model, "old"):
             y_old = model(x)
             assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
-        with T.adapters_disabled(model):
+        with lora.lora_disabled(model):
             y_ref = model(x)
             assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
         y_default_again = model(x)
@@ -151,7 +152,7 @@ def test_adapter_switching_and_disabling(shard):
     with T.use_adapter(model, "old"):
         y_old2 = model(x).detach()
     assert torch.equal(y_old, y_old2)
-    with pytest.raises(ValueError, match="unknown adapter"):
+    with pytest.raises(ValueError, match="adapter 'nope' is missing"):
         with T.use_adapter(model, "nope"):
             pass
 
@@ -170,7 +171,7 @@ def test_nft_forward_pattern_with_checkpointing_and_fsdp():
     with torch.no_grad():
         with T.use_adapter(ck, "old"):
             ck(x)
-        with T.adapters_disabled(ck):
+        with lora.lora_disabled(ck):
             ck(x)
     loss.backward()
     for (n, p), (_, q) in zip(T.adapter_params(plain, "default"), T.adapter_params(ck, "default")):
@@ -270,7 +271,7 @@ def test_old_adapter_copy_and_ema(shard):
     for k in d0:
         torch.testing.assert_close(o1[k], 0.25 * o0[k] + 0.75 * d0[k], rtol=0, atol=1e-7)
     assert all(torch.equal(d0[k], v) for k, v in full_params(model, "default").items())  # source untouched
-    T.copy_adapter_(model)
+    lora.copy_adapter_(model, "default", "old")
     o2 = full_params(model, "old")
     assert all(torch.equal(d0[k], o2[k]) for k in d0)
 
@@ -559,6 +560,13 @@ def test_checkpoint_adapter_loads_in_diffusers(tmp_path):
     assert all(torch.equal(loaded[k].detach(), saved[k]) for k in saved)
     scalings = {m.scaling["ckpt"] for m in fresh.modules() if isinstance(m, LoraLayer)}
     assert scalings == {2.0}
+    # and models/lora.py (the rollout engine's loader) reads the same directory, binding every module
+    torch.manual_seed(0)
+    engine_side = QwenImageTransformer2DModel(**kw)
+    assert lora.import_adapter(engine_side, os.path.join(path, "adapters", "old"), adapter_name="old") == 6
+    old_saved = T.adapter_state_dict(transformer, "old")
+    old_loaded = {re.sub(r"\.old\.", ".", n): p for n, p in engine_side.named_parameters() if ".lora_" in n}
+    assert all(torch.equal(old_loaded[k].detach(), old_saved[k]) for k in old_saved)
 
 
 # ---------------------------------------------------------------------------------------------------------------
