@@ -58,17 +58,18 @@ import torch.distributed as dist
 from torch import nn
 
 import losses
+from models import lora
 
 __all__ = [
     # distributed
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "get_world_size", "get_local_rank",
-    "is_main_process", "is_local_main_process", "barrier", "seed_everything",
+    "is_main_process", "is_local_main_process", "barrier", "seed_everything", "all_gather_cat",
     # model preparation
-    "add_lora_adapters", "adapter_params", "use_adapter", "adapters_disabled", "transformer_blocks",
+    "add_lora_adapters", "adapter_params", "use_adapter", "transformer_blocks",
     "apply_activation_checkpointing", "mixed_precision_policy", "shard_transformer", "prepare_transformer",
     "adapter_state_dict", "load_adapter_state_", "save_adapter_dir", "read_adapter_dir",
     # optimizer
-    "build_optimizer", "GradStepper", "copy_adapter_", "ema_adapter_", "old_policy_refresh",
+    "build_optimizer", "GradStepper", "ema_adapter_", "old_policy_refresh",
     # data
     "PromptSampler", "SamplerBatch",
     # checkpoints
@@ -189,6 +190,21 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's (B, ...) tensor along dim 0 in rank order -> (W*B, ...), e.g. rewards for the
+    global-batch advantages. All ranks must pass the same shape and dtype (checked; a mismatch raises)."""
+    world = get_world_size()
+    if world == 1 or not dist.is_initialized():
+        return t
+    shapes: list[Any] = [None] * world
+    dist.all_gather_object(shapes, (tuple(t.shape), str(t.dtype)))
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(f"all_gather_cat: ranks hold different shapes/dtypes {shapes}; pad to equal per-rank batches")
+    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.contiguous())
+    return out
+
+
 def seed_everything(seed: int, *, per_rank: bool = True) -> int:
     """Seed python `random`, numpy's global RNG, torch CPU and all CUDA generators; return the seed used.
 
@@ -207,21 +223,14 @@ def seed_everything(seed: int, *, per_rank: bool = True) -> int:
 # =================================================================================================================
 
 
-def _lora_layers(module: nn.Module) -> list[nn.Module]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
-
-
 def _adapter_pattern(adapter: str) -> re.Pattern:
     # peft names: "<path>.lora_A.<adapter>.weight" (ModuleDict) or "<path>.lora_embedding_A.<adapter>" (ParameterDict)
     return re.compile(r"(^|\.)(lora_[A-Za-z_]+)\." + re.escape(adapter) + r"(\.|$)")
 
 
-def _strip_adapter(name: str, adapter: str, replacement: str = "") -> str:
-    """"a.lora_A.default.weight" -> "a.lora_A.weight" (replacement "" ) or "a.lora_A.@.weight" ("@")."""
-    mid = "." + replacement if replacement else ""
-    return _adapter_pattern(adapter).sub(lambda m: m.group(1) + m.group(2) + mid + m.group(3), name, count=1)
+def _strip_adapter(name: str, adapter: str) -> str:
+    """"a.lora_A.default.weight" -> "a.lora_A.weight"."""
+    return _adapter_pattern(adapter).sub(lambda m: m.group(1) + m.group(2) + m.group(3), name, count=1)
 
 
 def adapter_params(module: nn.Module, adapter: str = ADAPTER_DEFAULT) -> list[tuple[str, nn.Parameter]]:
@@ -236,117 +245,47 @@ def add_lora_adapters(
     target_modules: Sequence[str],
     rank: int,
     alpha: float,
+    block_prefixes: Sequence[str],
     adapter_names: Sequence[str] = (ADAPTER_DEFAULT,),
     init_lora_weights: bool | str = "gaussian",
-    block_prefixes: Sequence[str] = (),
 ):
-    """Inject one peft LoRA adapter per name (same config) into `transformer` in place; return the `LoraConfig`.
+    """`models.lora.apply_lora` (target validation, one peft adapter per name, only the first trainable and
+    active), then every LoRA tensor cast to float32 (trainable master weights; FSDP2's mixed-precision policy casts
+    them for compute). Returns the adapters' `LoraConfig`. Module names stay the model's own (no PeftModel wrapper).
 
-    Afterwards "default" (the first name) is the active adapter, only its tensors require grad, and every LoRA
-    tensor is float32 (trainable master weights; FSDP's mixed-precision policy casts them for compute). Module
-    names are unchanged apart from peft's `.base_layer` / `.lora_*` insertions (no PeftModel wrapper), so they match
-    the model's own parameter names. Fails closed when a target binds no module or binds one outside
-    `block_prefixes` (a LoRA outside the blocks would not be transported to the rollout engine).
+    init_lora_weights: peft's option; "gaussian" (verl-omni's `lora_init_weights` default) or True (kaiming A).
+    Both start with B = 0, so "default" starts equal to the base model.
     """
-    from peft import LoraConfig, inject_adapter_in_model
-
     if rank <= 0:
         raise ValueError(f"LoRA rank must be > 0, got {rank} (full fine-tuning is not supported by these trainers)")
-    if not adapter_names:
-        raise ValueError("adapter_names must name at least one adapter, e.g. ('default',) or ('default', 'old')")
-    if len(set(adapter_names)) != len(adapter_names):
-        raise ValueError(f"adapter_names must be unique, got {list(adapter_names)}")
-    if _lora_layers(transformer):
-        raise RuntimeError("the transformer already carries LoRA layers; add_lora_adapters must run once, on a fresh model")
-    config = LoraConfig(
-        r=int(rank), lora_alpha=alpha, target_modules=list(target_modules), init_lora_weights=init_lora_weights
-    )
-    for name in adapter_names:
-        with warnings.catch_warnings():  # peft warns that a second adapter is being added: that is the intent here
-            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-            inject_adapter_in_model(config, transformer, adapter_name=name)
-    _check_lora_binding(transformer, target_modules, block_prefixes)
+    lora.apply_lora(transformer, list(target_modules), rank=int(rank), alpha=alpha, block_prefixes=block_prefixes,
+                    adapter_names=tuple(adapter_names), init_lora_weights=init_lora_weights)
     for name in adapter_names:
         for _, p in adapter_params(transformer, name):
             p.data = p.data.float()
-    _activate(transformer, adapter_names[0])
-    for n, p in transformer.named_parameters():
-        p.requires_grad_(bool(_adapter_pattern(adapter_names[0]).search(n)))
-    return config
-
-
-def _check_lora_binding(transformer: nn.Module, target_modules: Sequence[str], block_prefixes: Sequence[str]) -> None:
-    # Minimal fail-closed check until models/lora.py's validator lands on main (then this calls it instead).
-    lora_layers = set(_lora_layers(transformer))
-    bound = [n for n, m in transformer.named_modules() if m in lora_layers]
-    for target in target_modules:
-        if not any(n == target or n.endswith("." + target) for n in bound):
-            raise ValueError(
-                f"LoRA target {target!r} binds no module of {type(transformer).__name__}; fix --lora-target-modules "
-                f"(module names are the model's own, e.g. 'to_q' or 'img_mlp.net.2')"
-            )
-    if block_prefixes:
-        outside = [n for n in bound if n.split(".")[0] not in block_prefixes]
-        if outside:
-            raise ValueError(
-                f"LoRA targets bind modules outside the transformer blocks {tuple(block_prefixes)}: {outside[:5]}; "
-                f"they would not reach the rollout engine. Narrow the target names."
-            )
-
-
-def _activate(transformer: nn.Module, adapter: str) -> None:
-    for layer in _lora_layers(transformer):
-        layer.set_adapter(adapter)
-
-
-@contextlib.contextmanager
-def _keep_requires_grad(module: nn.Module) -> Iterator[None]:
-    # peft's set_adapter / enable_adapters flip requires_grad of adapter tensors; the trainers' set must survive.
-    flags = [(p, p.requires_grad) for p in module.parameters()]
-    try:
-        yield
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
+    return transformer.peft_config[adapter_names[0]]
 
 
 @contextlib.contextmanager
 def use_adapter(transformer: nn.Module, adapter: str) -> Iterator[None]:
-    """Run forwards with `adapter` active (e.g. "old" for DiffusionNFT's old-policy pass); restores the previous
-    active adapter and every `requires_grad` flag on exit."""
-    layers = _lora_layers(transformer)
+    """Run forwards with `adapter` active (e.g. "old" for DiffusionNFT's old-policy pass); the previous active
+    adapter is restored on exit; `requires_grad` flags never change (`models.lora.set_active_adapter`).
+    The reference (base) model forward is `models.lora.lora_disabled(transformer)`.
+
+    With activation checkpointing, backward RECOMPUTES block forwards with whatever adapter is active at backward
+    time: call `backward()` outside `use_adapter` / `lora_disabled` blocks (i.e. with "default" active) and
+    run the old / reference forwards under `torch.no_grad()`."""
+    layers = lora.lora_layers(transformer)
     if not layers:
         raise RuntimeError("use_adapter: the transformer has no LoRA layers (call add_lora_adapters first)")
-    known = set(layers[0].lora_A.keys()) if hasattr(layers[0], "lora_A") else set()
-    if known and adapter not in known:
-        raise ValueError(f"unknown adapter {adapter!r}; the transformer has {sorted(known)}")
-    previous = list(layers[0].active_adapters)
-    with _keep_requires_grad(transformer):
-        for layer in layers:
-            layer.set_adapter(adapter)
+    previous = next(iter(layers.values())).active_adapters
+    if len(previous) != 1:
+        raise RuntimeError(f"use_adapter expects one active adapter, found {previous}")
+    lora.set_active_adapter(transformer, adapter)
     try:
         yield
     finally:
-        with _keep_requires_grad(transformer):
-            for layer in layers:
-                layer.set_adapter(previous)
-
-
-@contextlib.contextmanager
-def adapters_disabled(transformer: nn.Module) -> Iterator[None]:
-    """Run forwards of the frozen base model (every adapter bypassed): the reference model of `ref_kl_coef`."""
-    layers = _lora_layers(transformer)
-    if not layers:
-        raise RuntimeError("adapters_disabled: the transformer has no LoRA layers (call add_lora_adapters first)")
-    with _keep_requires_grad(transformer):
-        for layer in layers:
-            layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        with _keep_requires_grad(transformer):
-            for layer in layers:
-                layer.enable_adapters(True)
+        lora.set_active_adapter(transformer, previous[0])
 
 
 def transformer_blocks(transformer: nn.Module, block_prefixes: Sequence[str]) -> list[nn.Module]:
@@ -437,10 +376,11 @@ def prepare_transformer(
 
     For a FlowModel `m`: `prepare_transformer(m.transformer, block_prefixes=m.lora_block_prefixes,
     target_modules=m.default_lora_targets, ...)`. The base weights are frozen; with two adapter names (DiffusionNFT)
-    "old" starts as an independent random init, so hard-copy it (`copy_adapter_`) after any checkpoint load.
+    "old" starts as an independent random init: hard-copy it (`models.lora.copy_adapter_(t, "default", "old")`)
+    at the start of training, after any checkpoint load.
     """
     transformer.requires_grad_(False)
-    transformer.to(device)
+    # No whole-model move here: fully_shard moves each block to `device` as it shards it (lower peak memory).
     config = add_lora_adapters(
         transformer,
         target_modules=target_modules,
@@ -502,50 +442,35 @@ def load_adapter_state_(transformer: nn.Module, adapter: str, state: Mapping[str
             p.copy_(full.to(p.device, p.dtype))
 
 
-# The PEFT-directory format (until models/lora.py's exporter lands on main, which then replaces these two):
-# keys "transformer.<path>.lora_A.weight" (what diffusers' pipeline `load_lora_weights` selects; verified:
-# "base_model.model."-prefixed or bare keys load NOTHING there, silently) and the LoraConfig both as
-# adapter_config.json and as the safetensors "lora_adapter_metadata" header (without it diffusers assumes
-# alpha = r, i.e. a silently different scale).
-_DIFFUSERS_PREFIX = "transformer."
-
-
-def _lora_config_dict(config) -> dict[str, Any]:
-    d = config.to_dict()
-    return json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-
-
 def save_adapter_dir(state: Mapping[str, torch.Tensor], lora_config, out_dir: str) -> None:
-    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) from full tensors."""
+    """Rank-0 half of an adapter export: write full tensors (from `adapter_state_dict`, gathered on every rank) as
+    a PEFT adapter directory in exactly `models.lora.export_adapter`'s format (trainer names, keys
+    "transformer.<path>.lora_A.weight" that diffusers' `load_lora_weights` selects, adapter_config.json, and the
+    diffusers `lora_adapter_metadata` header so diffusers applies alpha/r). `models.lora.export_adapter` itself
+    gathers AND writes on every rank, which a rank-0-only checkpoint writer cannot call."""
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    cfg = _lora_config_dict(lora_config)
-    with open(os.path.join(out_dir, "adapter_config.json"), "w", encoding="utf-8") as f:
+    cfg = json.loads(json.dumps(lora_config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    cfg.update(peft_type="LORA", inference_mode=True, use_dora=False, lora_bias=False,
+               target_modules=sorted(lora_config.target_modules))
+    with open(os.path.join(out_dir, lora.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
-    tensors = {_DIFFUSERS_PREFIX + k: v.contiguous() for k, v in state.items()}
-    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps({_DIFFUSERS_PREFIX + k: v for k, v in cfg.items()})}
-    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata=metadata)
+    meta_keys = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "use_dora", "lora_bias")
+    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(
+        {f"transformer.{k}": cfg[k] for k in meta_keys if k in cfg}, sort_keys=True)}
+    tensors = {"transformer." + k: v.contiguous() for k, v in sorted(state.items())}
+    save_file(tensors, os.path.join(out_dir, lora.ADAPTER_WEIGHTS), metadata=metadata)
 
 
-def read_adapter_dir(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a directory written by `save_adapter_dir`: (tensors keyed like `adapter_state_dict`, config dict)."""
-    from safetensors.torch import load_file
-
-    weights, cfg_path = os.path.join(path, "adapter_model.safetensors"), os.path.join(path, "adapter_config.json")
-    for p in (weights, cfg_path):
-        if not os.path.isfile(p):
-            raise CheckpointError(f"LoRA adapter directory {path} lacks {os.path.basename(p)}; the checkpoint is corrupt")
+def read_adapter_dir(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a PEFT adapter directory (`models.lora.read_adapter`: either key form, vllm-omni names mapped
+    back), keyed like `adapter_state_dict`. Unreadable or malformed -> CheckpointError naming the directory."""
     try:
-        tensors = load_file(weights)
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except Exception as e:  # safetensors raises its own error types for truncated files
+        _, modules = lora.read_adapter(path)
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read LoRA adapter {path}: {type(e).__name__}: {e}; the checkpoint is corrupt") from e
-    bad = [k for k in tensors if not k.startswith(_DIFFUSERS_PREFIX)]
-    if bad:
-        raise CheckpointError(f"{weights}: keys without the {_DIFFUSERS_PREFIX!r} prefix, e.g. {bad[:2]}")
-    return {k[len(_DIFFUSERS_PREFIX):]: v for k, v in tensors.items()}, cfg
+    return {f"{module}.lora_{ab}.weight": t for module, pair in modules.items() for ab, t in pair.items()}
 
 
 # =================================================================================================================
@@ -614,26 +539,18 @@ class GradStepper:
         self.skipped_steps = int(state["skipped_steps"])
 
 
-def _adapter_pairs(transformer: nn.Module, src: str, dst: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    src_p = {_strip_adapter(n, src, "@"): p for n, p in adapter_params(transformer, src)}
-    dst_p = {_strip_adapter(n, dst, "@"): p for n, p in adapter_params(transformer, dst)}
-    if not src_p or set(src_p) != set(dst_p):
-        raise ValueError(f"adapters {src!r} and {dst!r} do not have the same LoRA layout ({len(src_p)} vs {len(dst_p)} tensors)")
-    keys = sorted(src_p)
-    # DTensors: operate on the local shards (both adapters sit in the same FSDP group with the same placement).
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    return [local(dst_p[k].data) for k in keys], [local(src_p[k].data) for k in keys]
-
-
-def copy_adapter_(transformer: nn.Module, src: str = ADAPTER_DEFAULT, dst: str = ADAPTER_OLD) -> None:
-    """Hard copy dst <- src on the LoRA tensors (the start-of-training `old <- default`)."""
-    old, new = _adapter_pairs(transformer, src, dst)
-    losses.ema_update_(old, new, 0.0)
-
-
 def ema_adapter_(transformer: nn.Module, decay: float, src: str = ADAPTER_DEFAULT, dst: str = ADAPTER_OLD) -> None:
-    """dst <- decay * dst + (1 - decay) * src on the LoRA tensors (`losses.ema_update_`)."""
-    old, new = _adapter_pairs(transformer, src, dst)
+    """dst <- decay * dst + (1 - decay) * src on the LoRA A/B tensors (`losses.ema_update_`; decay 0 = hard copy,
+    which `models.lora.copy_adapter_` also does). Works on FSDP2 shards: both adapters of a layer share a placement."""
+    old, new = [], []
+    for path, layer in lora.lora_layers(transformer, src).items():
+        if dst not in layer.lora_A:
+            raise ValueError(f"adapter {dst!r} is missing on {path}")
+        for mod in (layer.lora_A, layer.lora_B):
+            old.append(mod[dst].weight.data)
+            new.append(mod[src].weight.data)
+    if not old:
+        raise ValueError(f"the transformer has no LoRA adapter {src!r}")
     losses.ema_update_(old, new, decay)
 
 
@@ -661,7 +578,7 @@ def old_policy_refresh(
     metrics["old_policy/update_applied"] = 1.0
     metrics["old_policy/decay"] = d
     if d == 0.0:
-        copy_adapter_(transformer)
+        lora.copy_adapter_(transformer, ADAPTER_DEFAULT, ADAPTER_OLD)
         metrics["old_policy/copy_update"] = 1.0
     else:
         ema_adapter_(transformer, d)
@@ -852,7 +769,6 @@ def save_checkpoint(
 
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    rank = get_rank()
     adapters = {name: adapter_state_dict(transformer, name) for name in adapter_names}
     # Before the first optimizer step there is no state to save, and get_optimizer_state_dict would create it with
     # a zero-lr step (advancing Adam's step count): save an explicit "no state" instead.
@@ -865,15 +781,10 @@ def save_checkpoint(
         dist.all_gather_object(rng_states, _rng_state())
     else:
         rng_states = [_rng_state()]
+    rank = get_rank()
     final = os.path.join(root, f"step_{step:08d}")
+    error: BaseException | None = None
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        tmp = os.path.join(root, f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
-        for name, state in adapters.items():
-            save_adapter_dir(state, lora_config, os.path.join(tmp, "adapters", name))
-        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
-        torch.save(rng_states, os.path.join(tmp, "rng.pt"))
         digest, values = config_fingerprint(config, fingerprint_ignore)
         state = {
             "step": int(step),
@@ -887,32 +798,66 @@ def save_checkpoint(
             "trainer_state": dict(trainer_state or {}),
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
+        try:
+            _write_checkpoint_dir(root, final, state, adapters, lora_config, optim_state, rng_states)
+            if keep_last is not None and keep_last > 0:
+                for old_step in _complete_steps(root)[:-keep_last]:
+                    shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
+        except BaseException as e:  # noqa: BLE001 - re-raised below on every rank
+            error = e
+    _raise_if_any_rank_failed(error, f"save_checkpoint({final})")
+    return final
+
+
+def _raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
+    """Collective: every rank raises when any rank failed (instead of the others hanging in a later collective)."""
+    messages: list[Any] = [None] * get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if dist.is_initialized() and get_world_size() > 1:
+        dist.all_gather_object(messages, mine)
+    else:
+        messages = [mine]
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+
+
+def _write_checkpoint_dir(root: str, final: str, state: dict[str, Any], adapters: Mapping[str, Mapping[str, torch.Tensor]],
+                          lora_config, optim_state: Any, rng_states: list[Any]) -> None:
+    """Rank 0: write everything into a temp dir, fsync, marker last, rename into place (temp removed on error)."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".tmp-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        for name, tensors in adapters.items():
+            save_adapter_dir(tensors, lora_config, os.path.join(tmp, "adapters", name))
+        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
+        torch.save(rng_states, os.path.join(tmp, "rng.pt"))
         with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=2, sort_keys=True)
         for dirpath, _, files in os.walk(tmp):
             for fname in files:
                 with open(os.path.join(dirpath, fname), "rb") as fh:
                     os.fsync(fh.fileno())
-        marker = {"step": int(step), "files": _file_sizes(tmp)}
+        marker = {"step": state["step"], "files": _file_sizes(tmp)}  # sizes of everything but the marker itself
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump(marker, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step: swap, then delete the previous copy
-            trash = os.path.join(root, f".trash-step_{step:08d}-{uuid.uuid4().hex[:8]}")
+            trash = os.path.join(root, f".trash-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
             os.rename(final, trash)
             os.rename(tmp, final)
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-        if keep_last is not None and keep_last > 0:
-            complete = _complete_steps(root)
-            for old_step in complete[:-keep_last]:
-                shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
-    barrier()
-    return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _complete_steps(root: str) -> list[int]:
@@ -1008,14 +953,16 @@ def load_checkpoint(
     if list(state["adapters"]) != list(adapter_names):
         raise CheckpointError(f"checkpoint {path} holds adapters {state['adapters']}, this run expects {list(adapter_names)}")
     for name in adapter_names:
-        tensors, _ = read_adapter_dir(os.path.join(path, "adapters", name))
-        load_adapter_state_(transformer, name, tensors)
+        load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name)))
     optimizer.zero_grad(set_to_none=True)  # torch initialises missing optimizer state only when no grads exist
-    try:
-        optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False) if get_rank() == 0 else {}
+    error, optim_state, rng_states = None, {}, []
+    try:  # optimizer.pt: rank 0 reads, set_optimizer_state_dict broadcasts; rng.pt: every rank takes its entry
+        if get_rank() == 0:
+            optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
         rng_states = torch.load(os.path.join(path, "rng.pt"), map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read optimizer.pt / rng.pt ({type(e).__name__}: {e})") from e
+    except Exception as e:  # noqa: BLE001
+        error = CheckpointError(f"checkpoint {path}: cannot read optimizer.pt / rng.pt ({type(e).__name__}: {e})")
+    _raise_if_any_rank_failed(error, f"load_checkpoint({path})")
     if state["optimizer_state"]:
         set_optimizer_state_dict(
             transformer, optimizer, optim_state,

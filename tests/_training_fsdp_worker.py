@@ -20,6 +20,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 torch.set_num_threads(1)
 
 import training as T  # noqa: E402
+from models import lora  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main() -> None:
     opt = T.build_optimizer(model, lr=1e-2, weight_decay=0.01)
     stepper = T.GradStepper(max_grad_norm=0.05)
     sampler = T.PromptSampler(16, 4, seed=7, rank=info.rank, world_size=info.world_size)
-    T.copy_adapter_(model)  # old <- default at start
+    lora.copy_adapter_(model, "default", "old")  # old <- default at start
     acc = T.MetricAccumulator()
     steps = []
     batches = []
@@ -101,8 +102,26 @@ def main() -> None:
     stepper2.step(opt2)
     after3b = T.adapter_state_dict(model2, "default")
 
+    gathered = T.all_gather_cat(torch.full((2,), float(info.rank), device=info.device))
+    # a save that fails on rank 0 only must raise on every rank (not leave rank 1 hanging in a collective)
+    real_writer = T.save_adapter_dir
+    if info.rank == 0:
+        def failing_writer(*a, **k):
+            raise OSError("disk full (simulated on rank 0)")
+        T.save_adapter_dir = failing_writer
+    try:
+        T.save_checkpoint(ckpt_root, 9, transformer=model2, optimizer=opt2, lora_config=lora_cfg, config=config,
+                          sampler=sampler2, adapter_names=("default", "old"))
+        failed_save = "no error"
+    except Exception as e:  # noqa: BLE001
+        failed_save = f"{type(e).__name__}: {e}"
+    T.save_adapter_dir = real_writer
+
     result = {
         "rank": info.rank,
+        "gathered": gathered.tolist(),
+        "failed_save": failed_save,
+        "step9_exists": os.path.exists(os.path.join(ckpt_root, "step_00000009")),
         "n_dtensor": n_dtensor,
         "steps": steps,
         "batches": batches,

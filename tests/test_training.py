@@ -26,6 +26,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
+from models import lora  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -82,6 +83,11 @@ def test_init_distributed_single_process(one_process_group):
     assert T.init_distributed("cpu") == info  # idempotent
 
 
+def test_all_gather_cat_single_process():
+    t = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(T.all_gather_cat(t), t)
+
+
 def test_seed_everything_reproducible():
     T.seed_everything(5)
     a = (random.random(), np.random.rand(), torch.rand(()).item())
@@ -114,7 +120,7 @@ def test_lora_layout_and_trainable_set():
 
 def test_lora_binding_fails_closed():
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match="binds no module"):
+    with pytest.raises(ValueError, match="bind no module"):
         T.add_lora_adapters(TinyFlowTransformer(), target_modules=("to_q", "to_qq"), rank=2, alpha=2,
                             block_prefixes=BLOCK_PREFIXES)
     with pytest.raises(ValueError, match="outside the transformer blocks"):
@@ -136,7 +142,7 @@ def test_adapter_switching_and_disabling(shard):
         with T.use_adapter(model, "old"):
             y_old = model(x)
             assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
-        with T.adapters_disabled(model):
+        with lora.lora_disabled(model):
             y_ref = model(x)
             assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
         y_default_again = model(x)
@@ -146,9 +152,31 @@ def test_adapter_switching_and_disabling(shard):
     with T.use_adapter(model, "old"):
         y_old2 = model(x).detach()
     assert torch.equal(y_old, y_old2)
-    with pytest.raises(ValueError, match="unknown adapter"):
+    with pytest.raises(ValueError, match="adapter 'nope' is missing"):
         with T.use_adapter(model, "nope"):
             pass
+
+
+def test_nft_forward_pattern_with_checkpointing_and_fsdp():
+    """DiffusionNFT's pattern: policy forward with grad, old and reference forwards under no_grad inside the adapter
+    contexts, then backward (with "default" active again). With activation checkpointing + FSDP2 the gradients must
+    equal those of a plain model that only ran the policy forward."""
+    plain, _ = make_model(shard=False)
+    ck, _ = make_model(shard=False)
+    T.apply_activation_checkpointing(ck, BLOCK_PREFIXES)
+    T.shard_transformer(ck, BLOCK_PREFIXES)
+    x = torch.randn(2, 5, 4)
+    plain(x).pow(2).mean().backward()
+    loss = ck(x).pow(2).mean()
+    with torch.no_grad():
+        with T.use_adapter(ck, "old"):
+            ck(x)
+        with lora.lora_disabled(ck):
+            ck(x)
+    loss.backward()
+    for (n, p), (_, q) in zip(T.adapter_params(plain, "default"), T.adapter_params(ck, "default")):
+        torch.testing.assert_close(T._full(q.grad), p.grad, rtol=1e-6, atol=1e-7, msg=n)
+    assert all(q.grad is None for _, q in T.adapter_params(ck, "old"))
 
 
 def test_activation_checkpointing_keeps_names_and_grads():
@@ -243,7 +271,7 @@ def test_old_adapter_copy_and_ema(shard):
     for k in d0:
         torch.testing.assert_close(o1[k], 0.25 * o0[k] + 0.75 * d0[k], rtol=0, atol=1e-7)
     assert all(torch.equal(d0[k], v) for k, v in full_params(model, "default").items())  # source untouched
-    T.copy_adapter_(model)
+    lora.copy_adapter_(model, "default", "old")
     o2 = full_params(model, "old")
     assert all(torch.equal(d0[k], o2[k]) for k in d0)
 
@@ -425,7 +453,10 @@ def test_checkpoint_layout_and_atomic_save(trained_checkpoint, monkeypatch):
         _save(root, 7, model, cfg, opt, stepper, sampler)
     monkeypatch.setattr(torch, "save", real_save)
     assert not os.path.exists(os.path.join(root, "step_00000007"))
-    assert [n for n in os.listdir(root) if n.startswith(".tmp-step_00000007")]
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp")]  # the failed save cleaned its temp dir
+    assert T.find_latest(root) == path
+    # a process killed mid-save leaves a temp dir behind: ignored
+    shutil.copytree(path, os.path.join(root, ".tmp-step_00000007-deadbeef"))
     assert T.find_latest(root) == path
     # keep_last prunes older complete checkpoints; re-saving a step replaces it atomically
     _save(root, 8, model, cfg, opt, stepper, sampler)
@@ -529,6 +560,13 @@ def test_checkpoint_adapter_loads_in_diffusers(tmp_path):
     assert all(torch.equal(loaded[k].detach(), saved[k]) for k in saved)
     scalings = {m.scaling["ckpt"] for m in fresh.modules() if isinstance(m, LoraLayer)}
     assert scalings == {2.0}
+    # and models/lora.py (the rollout engine's loader) reads the same directory, binding every module
+    torch.manual_seed(0)
+    engine_side = QwenImageTransformer2DModel(**kw)
+    assert lora.import_adapter(engine_side, os.path.join(path, "adapters", "old"), adapter_name="old") == 6
+    old_saved = T.adapter_state_dict(transformer, "old")
+    old_loaded = {re.sub(r"\.old\.", ".", n): p for n, p in engine_side.named_parameters() if ".lora_" in n}
+    assert all(torch.equal(old_loaded[k].detach(), old_saved[k]) for k in old_saved)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -665,6 +703,11 @@ def test_fsdp2_lora_two_ranks(tmp_path):
         assert r["refresh"]["old_policy/copy_update"] == 1.0
     # both ranks agree on every reduced metric, the global batches and the gathered adapter weights
     assert r0["steps"] == r1["steps"] and r0["batches"] == r1["batches"] and r0["default_sum"] == r1["default_sum"]
+    assert r0["gathered"] == r1["gathered"] == [0.0, 0.0, 1.0, 1.0]  # all_gather_cat, rank order
+    # a save failing on rank 0 raises on both ranks (rank 1 names rank 0's error) and leaves no step directory
+    assert r0["failed_save"] == "OSError: disk full (simulated on rank 0)"
+    assert r1["failed_save"].startswith("CheckpointError") and "rank 0" in r1["failed_save"]
+    assert not r0["step9_exists"] and not r1["step9_exists"]
     assert all(s["actor/rank"] == 0.5 for s in r0["steps"])  # mean over ranks of 0 and 1
     # sharded training equals an unsharded model trained on the full global batch
     for s, ref_norm, ref_loss in zip(r0["steps"], r0["ref_norms"], r0["ref_losses"]):
