@@ -349,7 +349,8 @@ def export_adapter(
 
 def read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config, {trainer module path: {"A": tensor, "B": tensor}}) from a PEFT adapter directory in either
-    name form (prefix `transformer.` / `base_model.model.` / none)."""
+    name form (prefix `transformer.` / `base_model.model.` / none). A module may lack A or B here;
+    `import_adapter` checks bindability first, then completeness."""
     from safetensors.torch import load_file
 
     from models.base import read_json
@@ -373,9 +374,6 @@ def read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
                 path = path[len(p):]
                 break
         modules.setdefault(from_engine_name(path), {})[m.group(2)] = t
-    for path, ab in modules.items():
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"{wpath}: module {path!r} has only lora_{''.join(ab)} (both A and B are required)")
     return config, modules
 
 
@@ -411,6 +409,9 @@ def import_adapter(
             f"{len(unbound)} adapter tensors in {adapter_dir} bind to no LoRA module of adapter {adapter_name!r}: "
             f"{unbound[:6]}; the adapter was made for another model or with other target_modules"
         )
+    half = sorted(p for p, ab in modules.items() if set(ab) != {"A", "B"})
+    if half:
+        raise ValueError(f"{adapter_dir}: modules {half[:6]} lack lora_A or lora_B (both are required)")
     missing = sorted(set(layers) - set(modules))
     if missing:
         raise ValueError(

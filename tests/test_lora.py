@@ -434,3 +434,16 @@ def test_export_gathers_fsdp2_sharded_adapter(tmp_path):
             assert torch.equal(modules[p]["A"], a) and torch.equal(modules[p]["B"], b)
     finally:
         dist.destroy_process_group()
+
+
+def test_import_half_pair_raises(qwen_dir, trained_qwen, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    t, _, _ = trained_qwen
+    d = tmp_path / "adapter"
+    export_adapter(t, d)
+    sd = load_file(d / ADAPTER_WEIGHTS)
+    del sd["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"]
+    save_file(sd, d / ADAPTER_WEIGHTS)
+    with pytest.raises(ValueError, match="lack lora_A or lora_B"):
+        import_adapter(fresh_qwen_transformer(qwen_dir), d)
