@@ -4,9 +4,10 @@ Sections (each a handful of small functions; read top to bottom):
 
 1. Distributed: `init_distributed` (torchrun env vars; NCCL on GPU, gloo on CPU; a 1-process group without
    torchrun), rank helpers, `seed_everything`, node-local rank 0 (the rollout group is started once per node).
-2. Model preparation: LoRA through peft with named adapters ("default" trained, "old" for DiffusionNFT),
-   adapter switching that never leaks `requires_grad`, composable activation checkpointing (module names stay
-   unchanged), FSDP2 `fully_shard` per transformer block + the root with a `MixedPrecisionPolicy`.
+2. Model preparation: LoRA through `models/lora.py` (peft) with named adapters ("default" trained, "old" for
+   DiffusionNFT), adapter switching that never leaks `requires_grad`, composable activation checkpointing (module
+   names stay unchanged), FSDP2 `fully_shard` per transformer block + the root with a `MixedPrecisionPolicy`, and
+   the DTensor-aware gather / load of adapter tensors that checkpoints and rollout weight sync need.
 3. Optimizer: AdamW over the "default" LoRA params (fused on CUDA), grad-norm clipping on FSDP2 DTensor grads, a
    non-finite grad norm skips the step (counted, logged); the DiffusionNFT `old` adapter copy / EMA refresh.
 4. Data: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per rank.
@@ -49,7 +50,7 @@ import textwrap
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -123,20 +124,18 @@ def init_distributed(device: str | None = None, *, timeout_s: float = 1800.0) ->
     """Initialise the default process group from torchrun's env vars and return this process's `DistInfo`.
 
     device: "cuda", "cpu" or None (= cuda when available). CUDA uses NCCL with `cuda:LOCAL_RANK` as the current
-    device (plus gloo for CPU tensors: backend "cpu:gloo,cuda:nccl"); CPU uses gloo. Without torchrun (no WORLD_SIZE in the env) a 1-process group on a free local port is
-    created, so FSDP2, collectives and checkpoints run the same code path single-process. Calling it again when the
-    group already exists just returns the info.
+    device (plus gloo for CPU tensors: backend "cpu:gloo,cuda:nccl"); CPU uses gloo. Without torchrun (no
+    WORLD_SIZE in the env) a 1-process group on a free local port is created (the environment is left untouched),
+    so FSDP2, collectives and checkpoints run the same code path single-process. Calling it again when the group
+    already exists just returns the info.
     """
     device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False; pass --device cpu")
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    under_torchrun = "WORLD_SIZE" in os.environ
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device_type == "cuda":
@@ -154,7 +153,10 @@ def init_distributed(device: str | None = None, *, timeout_s: float = 1800.0) ->
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
+        if not under_torchrun:
+            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         dist.init_process_group(**kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank, world, local_rank, local_world, dev, backend)
 
 
