@@ -1028,38 +1028,41 @@ class TensorBoardLogger:
 class MetricAccumulator:
     """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks.
 
-    The rank mean is ONE all_reduce of a float64 vector [sums..., counts..., key-hash]; every rank must have added
-    the same keys (a different key set is detected and raised, not silently averaged).
+    Tensor values stay on their device until `reduce()` (no host sync per micro-batch). The rank mean is ONE
+    all_reduce of a float64 vector [means..., key count, key hash]; every rank must have added the same keys (a
+    different key set is detected and raised, never silently averaged).
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.counts: dict[str, int] = {}
 
     def add(self, metrics: Mapping[str, float | torch.Tensor]) -> None:
         for key, value in metrics.items():
-            v = float(value.detach().float().mean().item()) if isinstance(value, torch.Tensor) else float(value)
-            self.sums[key] = self.sums.get(key, 0.0) + v
+            value = value.detach().double().mean() if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] = self.sums.get(key, 0.0) + value
             self.counts[key] = self.counts.get(key, 0) + 1
 
-    def reduce(self, device: torch.device | str = "cpu") -> dict[str, float]:
+    def reduce(self) -> dict[str, float]:
         """Mean over this rank's adds, then the mean over ranks (one collective); clears the accumulator."""
         keys = sorted(self.sums)
-        local = {k: self.sums[k] / self.counts[k] for k in keys}
-        self.sums, self.counts = {}, {}
+        device = next((v.device for v in self.sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
         world = get_world_size()
-        if world == 1 or not dist.is_initialized():
-            return local
         key_hash = float(int(hashlib.sha1("\n".join(keys).encode()).hexdigest(), 16) % (2**40))
-        vec = torch.tensor([local[k] for k in keys] + [float(len(keys)), key_hash], dtype=torch.float64, device=device)
-        # the key count goes first in the hash check: vectors of different length make the collective itself fail
-        dist.all_reduce(vec)
-        if vec[-1].item() != key_hash * world or vec[-2].item() != len(keys) * world:
+        parts = [torch.as_tensor(self.sums[k], dtype=torch.float64, device=device).reshape(1) / self.counts[k]
+                 for k in keys]
+        tail = torch.tensor([float(len(keys)), key_hash], dtype=torch.float64, device=device)
+        vec = torch.cat(parts + [tail])
+        self.sums, self.counts = {}, {}
+        if world > 1 and dist.is_initialized():
+            dist.all_reduce(vec)  # vectors of different lengths make this collective itself fail
+        values = vec.tolist()
+        if values[-1] != key_hash * world or values[-2] != len(keys) * world:
             raise RuntimeError(
                 f"MetricAccumulator.reduce: ranks logged different metric keys (rank {get_rank()} has {keys}); "
                 f"log the same keys on every rank"
             )
-        return {k: float(vec[i].item()) / world for i, k in enumerate(keys)}
+        return {k: values[i] / world for i, k in enumerate(keys)}
 
 
 def reward_metrics(rewards: torch.Tensor, uids: Sequence[Any], advantages: torch.Tensor | None = None) -> dict[str, float]:

@@ -705,6 +705,7 @@ def test_fsdp2_lora_two_ranks(tmp_path):
     # both ranks agree on every reduced metric, the global batches and the gathered adapter weights
     assert r0["steps"] == r1["steps"] and r0["batches"] == r1["batches"] and r0["default_sum"] == r1["default_sum"]
     assert r0["gathered"] == r1["gathered"] == [0.0, 0.0, 1.0, 1.0]  # all_gather_cat, rank order
+    assert all("ranks logged different metric keys" in r["key_mismatch"] for r in (r0, r1))
     # a save failing on rank 0 raises on both ranks (rank 1 names rank 0's error) and leaves no step directory
     assert r0["failed_save"] == "OSError: disk full (simulated on rank 0)"
     assert r1["failed_save"].startswith("CheckpointError") and "rank 0" in r1["failed_save"]
