@@ -1065,11 +1065,18 @@ class MetricAccumulator:
         return {k: values[i] / world for i, k in enumerate(keys)}
 
 
-def reward_metrics(rewards: torch.Tensor, uids: Sequence[Any], advantages: torch.Tensor | None = None) -> dict[str, float]:
-    """`critic/rewards/*` and `critic/advantages/*` over the global batch (verl-omni names and definitions).
+def reward_metrics(
+    rewards: torch.Tensor,
+    uids: Sequence[Any],
+    advantages: torch.Tensor | None = None,
+    extras: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, float]:
+    """`critic/rewards/*`, `critic/advantages/*` and `critic/<extra>/mean` over the global batch (verl-omni names
+    and definitions).
 
     rewards: (B,) or (B, T) (averaged over T first); uids: (B,) prompt ids, equal within a group; advantages:
-    any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid.
+    any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid. extras: numeric
+    per-sample reward extras (e.g. {"pickscore_raw": [...], "reward/ocr": [...]}) -> `critic/<key>/mean`.
     """
     r = rewards.detach().float().cpu()
     if r.ndim == 2:
@@ -1089,6 +1096,10 @@ def reward_metrics(rewards: torch.Tensor, uids: Sequence[Any], advantages: torch
         a = advantages.detach().float()
         out.update({"critic/advantages/mean": float(a.mean()), "critic/advantages/max": float(a.max()),
                     "critic/advantages/min": float(a.min())})
+    for key, values in (extras or {}).items():
+        if len(values) != len(uids):
+            raise ValueError(f"reward extra {key!r} has {len(values)} values for {len(uids)} samples")
+        out[f"critic/{key}/mean"] = float(np.mean(np.asarray(values, dtype=np.float64)))
     return out
 
 
@@ -1102,7 +1113,8 @@ def validation_metrics(
     scores: {"reward": per-sample scores, plus numeric extras such as "pickscore_raw" or "acc"}; every list has one
     value per sample, aligned with data_sources (and uids; default = one sample per prompt, N = 1). Per data source
     and variable, mean@N (and std@N for N > 1) is computed per uid, then averaged over uids. The core variable is
-    "acc" when present, else "reward"; only its mean@N goes to val-core, everything else to val-aux.
+    "acc" when present, else "reward"; only its mean@N goes to val-core, everything else to val-aux. verl's
+    bootstrap best@k / worst@k / maj@k (only defined for N > 1; validation runs N = 1) are not computed.
     """
     n = len(data_sources)
     if "reward" not in scores:

@@ -586,6 +586,8 @@ def test_reward_and_advantage_metrics():
         "critic/rewards/group_size": 2.0,
         "critic/advantages/mean": 0.0, "critic/advantages/max": 1.0, "critic/advantages/min": -1.0,
     }
+    m3 = T.reward_metrics(rewards, uids, extras={"pickscore_raw": [1, 2, 3, 4, 5, 6], "reward/ocr": [0.5] * 6})
+    assert m3["critic/pickscore_raw/mean"] == 3.5 and m3["critic/reward/ocr/mean"] == 0.5
     m2 = T.reward_metrics(rewards[:, None].expand(6, 3), uids)  # (B, T): averaged over T first
     assert m2["critic/rewards/mean"] == pytest.approx(4.0 / 6) and "critic/advantages/mean" not in m2
     with pytest.raises(ValueError):
