@@ -4,9 +4,10 @@ Sections (each a handful of small functions; read top to bottom):
 
 1. Distributed: `init_distributed` (torchrun env vars; NCCL on GPU, gloo on CPU; a 1-process group without
    torchrun), rank helpers, `seed_everything`, node-local rank 0 (the rollout group is started once per node).
-2. Model preparation: LoRA through peft with named adapters ("default" trained, "old" for DiffusionNFT),
-   adapter switching that never leaks `requires_grad`, composable activation checkpointing (module names stay
-   unchanged), FSDP2 `fully_shard` per transformer block + the root with a `MixedPrecisionPolicy`.
+2. Model preparation: LoRA through `models/lora.py` (peft) with named adapters ("default" trained, "old" for
+   DiffusionNFT), adapter switching that never leaks `requires_grad`, composable activation checkpointing (module
+   names stay unchanged), FSDP2 `fully_shard` per transformer block + the root with a `MixedPrecisionPolicy`, and
+   the DTensor-aware gather / load of adapter tensors that checkpoints and rollout weight sync need.
 3. Optimizer: AdamW over the "default" LoRA params (fused on CUDA), grad-norm clipping on FSDP2 DTensor grads, a
    non-finite grad norm skips the step (counted, logged); the DiffusionNFT `old` adapter copy / EMA refresh.
 4. Data: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per rank.
@@ -49,7 +50,7 @@ import textwrap
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -123,20 +124,18 @@ def init_distributed(device: str | None = None, *, timeout_s: float = 1800.0) ->
     """Initialise the default process group from torchrun's env vars and return this process's `DistInfo`.
 
     device: "cuda", "cpu" or None (= cuda when available). CUDA uses NCCL with `cuda:LOCAL_RANK` as the current
-    device (plus gloo for CPU tensors: backend "cpu:gloo,cuda:nccl"); CPU uses gloo. Without torchrun (no WORLD_SIZE in the env) a 1-process group on a free local port is
-    created, so FSDP2, collectives and checkpoints run the same code path single-process. Calling it again when the
-    group already exists just returns the info.
+    device (plus gloo for CPU tensors: backend "cpu:gloo,cuda:nccl"); CPU uses gloo. Without torchrun (no
+    WORLD_SIZE in the env) a 1-process group on a free local port is created (the environment is left untouched),
+    so FSDP2, collectives and checkpoints run the same code path single-process. Calling it again when the group
+    already exists just returns the info.
     """
     device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False; pass --device cpu")
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    under_torchrun = "WORLD_SIZE" in os.environ
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device_type == "cuda":
@@ -154,7 +153,10 @@ def init_distributed(device: str | None = None, *, timeout_s: float = 1800.0) ->
         kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
+        if not under_torchrun:
+            kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         dist.init_process_group(**kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank, world, local_rank, local_world, dev, backend)
 
 
@@ -1026,45 +1028,55 @@ class TensorBoardLogger:
 class MetricAccumulator:
     """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks.
 
-    The rank mean is ONE all_reduce of a float64 vector [sums..., counts..., key-hash]; every rank must have added
-    the same keys (a different key set is detected and raised, not silently averaged).
+    Tensor values stay on their device until `reduce()` (no host sync per micro-batch). The rank mean is ONE
+    all_reduce of a float64 vector [means..., key count, key hash]; every rank must have added the same keys (a
+    different key set is detected and raised, never silently averaged).
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, float | torch.Tensor] = {}
         self.counts: dict[str, int] = {}
 
     def add(self, metrics: Mapping[str, float | torch.Tensor]) -> None:
         for key, value in metrics.items():
-            v = float(value.detach().float().mean().item()) if isinstance(value, torch.Tensor) else float(value)
-            self.sums[key] = self.sums.get(key, 0.0) + v
+            value = value.detach().double().mean() if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] = self.sums.get(key, 0.0) + value
             self.counts[key] = self.counts.get(key, 0) + 1
 
-    def reduce(self, device: torch.device | str = "cpu") -> dict[str, float]:
+    def reduce(self) -> dict[str, float]:
         """Mean over this rank's adds, then the mean over ranks (one collective); clears the accumulator."""
         keys = sorted(self.sums)
-        local = {k: self.sums[k] / self.counts[k] for k in keys}
-        self.sums, self.counts = {}, {}
+        device = next((v.device for v in self.sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
         world = get_world_size()
-        if world == 1 or not dist.is_initialized():
-            return local
         key_hash = float(int(hashlib.sha1("\n".join(keys).encode()).hexdigest(), 16) % (2**40))
-        vec = torch.tensor([local[k] for k in keys] + [float(len(keys)), key_hash], dtype=torch.float64, device=device)
-        # the key count goes first in the hash check: vectors of different length make the collective itself fail
-        dist.all_reduce(vec)
-        if vec[-1].item() != key_hash * world or vec[-2].item() != len(keys) * world:
+        parts = [torch.as_tensor(self.sums[k], dtype=torch.float64, device=device).reshape(1) / self.counts[k]
+                 for k in keys]
+        tail = torch.tensor([float(len(keys)), key_hash], dtype=torch.float64, device=device)
+        vec = torch.cat(parts + [tail])
+        self.sums, self.counts = {}, {}
+        if world > 1 and dist.is_initialized():
+            dist.all_reduce(vec)  # vectors of different lengths make this collective itself fail
+        values = vec.tolist()
+        if values[-1] != key_hash * world or values[-2] != len(keys) * world:
             raise RuntimeError(
                 f"MetricAccumulator.reduce: ranks logged different metric keys (rank {get_rank()} has {keys}); "
                 f"log the same keys on every rank"
             )
-        return {k: float(vec[i].item()) / world for i, k in enumerate(keys)}
+        return {k: values[i] / world for i, k in enumerate(keys)}
 
 
-def reward_metrics(rewards: torch.Tensor, uids: Sequence[Any], advantages: torch.Tensor | None = None) -> dict[str, float]:
-    """`critic/rewards/*` and `critic/advantages/*` over the global batch (verl-omni names and definitions).
+def reward_metrics(
+    rewards: torch.Tensor,
+    uids: Sequence[Any],
+    advantages: torch.Tensor | None = None,
+    extras: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, float]:
+    """`critic/rewards/*`, `critic/advantages/*` and `critic/<extra>/mean` over the global batch (verl-omni names
+    and definitions).
 
     rewards: (B,) or (B, T) (averaged over T first); uids: (B,) prompt ids, equal within a group; advantages:
-    any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid.
+    any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid. extras: numeric
+    per-sample reward extras (e.g. {"pickscore_raw": [...], "reward/ocr": [...]}) -> `critic/<key>/mean`.
     """
     r = rewards.detach().float().cpu()
     if r.ndim == 2:
@@ -1084,6 +1096,10 @@ def reward_metrics(rewards: torch.Tensor, uids: Sequence[Any], advantages: torch
         a = advantages.detach().float()
         out.update({"critic/advantages/mean": float(a.mean()), "critic/advantages/max": float(a.max()),
                     "critic/advantages/min": float(a.min())})
+    for key, values in (extras or {}).items():
+        if len(values) != len(uids):
+            raise ValueError(f"reward extra {key!r} has {len(values)} values for {len(uids)} samples")
+        out[f"critic/{key}/mean"] = float(np.mean(np.asarray(values, dtype=np.float64)))
     return out
 
 
@@ -1097,7 +1113,8 @@ def validation_metrics(
     scores: {"reward": per-sample scores, plus numeric extras such as "pickscore_raw" or "acc"}; every list has one
     value per sample, aligned with data_sources (and uids; default = one sample per prompt, N = 1). Per data source
     and variable, mean@N (and std@N for N > 1) is computed per uid, then averaged over uids. The core variable is
-    "acc" when present, else "reward"; only its mean@N goes to val-core, everything else to val-aux.
+    "acc" when present, else "reward"; only its mean@N goes to val-core, everything else to val-aux. verl's
+    bootstrap best@k / worst@k / maj@k (only defined for N > 1; validation runs N = 1) are not computed.
     """
     n = len(data_sources)
     if "reward" not in scores:
