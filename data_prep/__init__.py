@@ -1,0 +1,1 @@
+"""Data preparation: parquet converters, prompt constants and the shared prompt dataset."""

@@ -1,0 +1,67 @@
+"""Model wrappers: one module per family plus the shared base.
+
+`load_model(path)` reads `<path>/model_index.json` and picks the family from its `_class_name`:
+- `QwenImagePipeline`  -> models.qwen_image.QwenImageModel
+- `BooguImagePipeline` -> models.boogu_image.BooguImageModel (Base and Edit share it; edit works when a reference
+  image is given)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from models.base import FlowModel, PromptEmbeds, read_json
+
+__all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path"]
+
+FAMILIES = {
+    "QwenImagePipeline": "qwen_image",
+    "BooguImagePipeline": "boogu_image",
+}
+
+
+def resolve_model_path(path: str) -> str:
+    """A local pipeline folder as is; a Hugging Face Hub id ("Boogu/Boogu-Image-0.1-Base") is fetched into the Hub
+    cache (or found there with HF_HUB_OFFLINE=1) and its snapshot folder returned."""
+    if os.path.isdir(path):
+        return path
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path or "") and not os.path.exists(path):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return snapshot_download(path)
+        except Exception as e:  # network, auth or offline-cache miss: say which and how to fix it
+            raise FileNotFoundError(
+                f"could not get {path!r} from the Hugging Face Hub ({type(e).__name__}: {e}); download it first "
+                f"(huggingface-cli download {path}) and pass the local folder"
+            ) from e
+    raise FileNotFoundError(f"model path {path!r} is not a directory; pass a diffusers-style pipeline folder")
+
+
+def model_family(path: str) -> str:
+    """The family name ("qwen_image" | "boogu_image") of the pipeline directory `path`."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is not a directory; pass a diffusers-style pipeline folder")
+    index = read_json(os.path.join(path, "model_index.json"), "model_index.json")
+    class_name = index.get("_class_name")
+    if class_name not in FAMILIES:
+        raise ValueError(
+            f"{path}/model_index.json has _class_name={class_name!r}; supported pipelines are "
+            f"{sorted(FAMILIES)} (Qwen-Image or Boogu-Image checkpoints)"
+        )
+    return FAMILIES[class_name]
+
+
+def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kw) -> FlowModel:
+    """Load the pipeline directory `path` as a FlowModel wrapper; the family comes from model_index.json."""
+    family = model_family(path)
+    if family == "qwen_image":
+        from models.qwen_image import QwenImageModel
+
+        return QwenImageModel.from_pretrained(path, device=device, dtype=dtype, **kw)
+    from models.boogu_image import BooguImageModel
+
+    return BooguImageModel.from_pretrained(path, device=device, dtype=dtype, **kw)

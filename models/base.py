@@ -1,0 +1,208 @@
+"""The shared model interface: prompt embeddings and the `FlowModel` base every family wrapper implements.
+
+Conventions the trainer and the rollout engine rely on (each family wrapper hides its own):
+- sigmas follow diffusers: sigma = 1 is pure noise, sigma = 0 is data, x_sigma = (1 - sigma) * x0 + sigma * eps;
+- velocities are returned in the diffusers convention v = eps - x0, in float32;
+- initial noise is drawn per row from that row's own generator, so a sample never depends on its batch.
+
+Only helpers that every family needs live here; the family modules own everything model-specific.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class PromptEmbeds:
+    """Encoded prompts, right-padded.
+
+    embeds: (B, L, D) in the model dtype; padded positions hold zeros.
+    mask:   (B, L) int64, 1 = valid token, 0 = padding. Never None (all-ones when nothing is padded).
+    """
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.embeds.ndim != 3:
+            raise ValueError(f"PromptEmbeds.embeds must be (B, L, D), got shape {tuple(self.embeds.shape)}")
+        if self.mask.ndim != 2 or tuple(self.mask.shape) != tuple(self.embeds.shape[:2]):
+            raise ValueError(
+                f"PromptEmbeds.mask must be (B, L) = {tuple(self.embeds.shape[:2])}, got {tuple(self.mask.shape)}"
+            )
+        if self.mask.dtype != torch.int64:
+            self.mask = self.mask.to(torch.int64)
+
+    def __len__(self) -> int:
+        return self.embeds.shape[0]
+
+    def to(self, device: torch.device | str) -> "PromptEmbeds":
+        return PromptEmbeds(self.embeds.to(device), self.mask.to(device))
+
+    def index(self, rows: Sequence[int] | torch.Tensor) -> "PromptEmbeds":
+        """Select rows (e.g. repeat a prompt for a group: `pe.index([0, 0, 1, 1])`)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.embeds.device)
+        return PromptEmbeds(self.embeds.index_select(0, rows), self.mask.index_select(0, rows.to(self.mask.device)))
+
+    @staticmethod
+    def cat(parts: Sequence["PromptEmbeds"]) -> "PromptEmbeds":
+        """Concatenate along the batch, right-padding every part to the longest sequence."""
+        if not parts:
+            raise ValueError("PromptEmbeds.cat needs at least one part")
+        max_len = max(p.embeds.shape[1] for p in parts)
+        embeds, masks = [], []
+        for p in parts:
+            pad = max_len - p.embeds.shape[1]
+            embeds.append(torch.nn.functional.pad(p.embeds, (0, 0, 0, pad)))
+            masks.append(torch.nn.functional.pad(p.mask, (0, pad)))
+        return PromptEmbeds(torch.cat(embeds), torch.cat(masks))
+
+
+def read_json(path: str, what: str) -> dict[str, Any]:
+    """Read a JSON object from `path`; clear errors for a missing or corrupt file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what}: {path} does not exist (is this a complete pipeline directory?)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {path} is not valid JSON ({e}); the checkpoint is corrupt, re-download it") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def per_row_noise(shape: Sequence[int], generators: Sequence[torch.Generator], device: torch.device | str) -> torch.Tensor:
+    """float32 standard normal noise (B, *shape); row b is drawn only from generators[b].
+
+    Each row is drawn on its generator's device (as diffusers' `randn_tensor` does for a generator list), then moved
+    to `device`, so the values never depend on the batch composition.
+    """
+    if len(generators) == 0:
+        raise ValueError("per_row_noise needs one torch.Generator per row, got none")
+    rows = []
+    for g in generators:
+        if not isinstance(g, torch.Generator):
+            raise TypeError(f"expected torch.Generator per row, got {type(g).__name__}")
+        rows.append(torch.randn(tuple(shape), generator=g, device=g.device, dtype=torch.float32).to(device))
+    return torch.stack(rows)
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Map decoded images in [-1, 1] (B, 3, H, W) to uint8 (B, 3, H, W) the way diffusers' postprocess does
+    (x / 2 + 0.5, clamp to [0, 1], x 255, round)."""
+    images = (images.float() / 2 + 0.5).clamp(0, 1)
+    return (images * 255).round().to(torch.uint8)
+
+
+class FlowModel:
+    """Base of the family wrappers (a plain class, not an nn.Module: `transformer` is the module to train/shard).
+
+    Subclasses set the class attributes and implement the methods below; the docstrings state the contract.
+    """
+
+    family: str = ""
+    default_lora_targets: tuple[str, ...] = ()
+    lora_block_prefixes: tuple[str, ...] = ()
+    vae_scale_factor: int = 8
+    max_side: int | None = None  # largest allowed height/width, None = unlimited
+
+    transformer: torch.nn.Module
+    scheduler_config: dict[str, Any]
+
+    def __init__(self, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    # ---- sizes -------------------------------------------------------------------------------------------------
+    @property
+    def size_multiple(self) -> int:
+        """Height/width must be multiples of this: the VAE factor times the 2x2 patch."""
+        return self.vae_scale_factor * 2
+
+    def validate_size(self, height: int, width: int) -> None:
+        """Raise ValueError naming the fix unless height and width are positive multiples of `size_multiple`
+        (and at most `max_side` where the family has a limit)."""
+        m = self.size_multiple
+        for name, v in (("height", height), ("width", width)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if v % m != 0:
+                lo, hi = (v // m) * m, (v // m + 1) * m
+                raise ValueError(
+                    f"{self.family}: {name}={v} is not a multiple of {m} (VAE factor {self.vae_scale_factor} x 2x2 "
+                    f"patch); use {lo or hi} or {hi}"
+                )
+            if self.max_side is not None and v > self.max_side:
+                raise ValueError(f"{self.family}: {name}={v} exceeds the model's limit of {self.max_side}")
+
+    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        """(H/8, W/8) after validating the size."""
+        self.validate_size(height, width)
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    # ---- the contract (see INTERFACES.md) ---------------------------------------------------------------------
+    def schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """sigmas (N+1,) float32 from 1 down to a trailing 0, built with losses.flow_sigmas."""
+        raise NotImplementedError
+
+    def encode_prompt(self, prompts: Sequence[Any], images: Sequence[Any] | None = None) -> PromptEmbeds:
+        raise NotImplementedError
+
+    def prepare_noise(self, height: int, width: int, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode_reference(self, images: Sequence[Any], generators: Sequence[torch.Generator]) -> torch.Tensor:
+        raise NotImplementedError(f"{self.family}: reference images are not supported by this model")
+
+    def predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        prompt: PromptEmbeds,
+        ref_latents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def guided_velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        prompt: PromptEmbeds,
+        negative: PromptEmbeds | None,
+        scale: float,
+        ref_latents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- shared argument checks -------------------------------------------------------------------------------
+    @staticmethod
+    def check_sigmas(sigmas: torch.Tensor, batch: int) -> torch.Tensor:
+        """Return sigmas as a float32 (B,) tensor; a scalar or (1,) is broadcast over the batch."""
+        sigmas = torch.as_tensor(sigmas, dtype=torch.float32)
+        if sigmas.ndim == 0 or sigmas.numel() == 1:
+            sigmas = sigmas.reshape(1).expand(batch)
+        if sigmas.shape != (batch,):
+            raise ValueError(f"sigmas must be (B,) = ({batch},), got {tuple(sigmas.shape)}")
+        return sigmas
+
+    @staticmethod
+    def check_guidance(scale: float, negative: PromptEmbeds | None, knob: str) -> bool:
+        """True when CFG is active. scale > 1 without a negative fails closed."""
+        if scale is None or scale <= 1.0:
+            return False
+        if negative is None:
+            raise ValueError(
+                f"{knob}={scale} > 1 requires negative prompt embeddings, got None; encode a negative prompt "
+                f"(e.g. the dataset's negative_prompt) or set {knob} <= 1 to disable guidance"
+            )
+        return True

@@ -1,0 +1,302 @@
+"""Qwen-Image (diffusers QwenImagePipeline layout) behind the FlowModel interface.
+
+Conventions hidden here (spec models_and_rollout.md B, algorithms.md 1):
+- prompts go through the Qwen-Image chat template; the encoder's last hidden states lose the 34-token system prefix
+  (drop_idx), are cut to `max_sequence_length` and right-padded with a fresh 0/1 mask;
+- latents are packed 2x2: (B, 16, H/8, W/8) -> (B, (H/16)(W/16), 64), channel index c*4 + 2*py + px (channel
+  slowest, the opposite of Boogu);
+- the transformer takes timestep = sigma (the pipeline's `t / 1000`) and predicts v = eps - x0 (diffusers convention,
+  returned unchanged);
+- true CFG: uncond + s*(cond - uncond), rescaled per token to the conditional norm; only with a negative prompt;
+- the schedule uses the dynamic mu from the image-token count and the scheduler config, with shift_terminal.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+import losses
+from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
+from models.base import FlowModel, PromptEmbeds, per_row_noise, read_json, to_uint8
+
+# The pipeline's prompt template and the number of tokens of its prefix (system turn + "<|im_start|>user\n").
+PROMPT_PREFIX = f"<|im_start|>system\n{QWEN_IMAGE_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
+PROMPT_TEMPLATE = PROMPT_PREFIX + "{}<|im_end|>\n<|im_start|>assistant\n"
+DROP_IDX = 34
+TOKENIZER_MAX_LENGTH = 1024  # the pipeline's hard cap on prompt tokens after the prefix
+LATENT_CHANNELS = 16
+
+
+def render_prompt(prompt: str | Sequence[dict[str, Any]]) -> str:
+    """The text the tokenizer sees for one prompt.
+
+    A plain string gets the pipeline template. A chat-message list (as stored in the parquet: system + user, each
+    with string content) is rendered verbatim in the Qwen chat format with the assistant generation prompt; it must
+    reproduce the template's system turn, because exactly DROP_IDX prefix tokens are dropped afterwards.
+    """
+    if isinstance(prompt, str):
+        return PROMPT_TEMPLATE.format(prompt)
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) for m in prompt):
+        raise TypeError(f"a prompt must be a str or a list of chat messages (dicts), got {type(prompt).__name__}")
+    text = ""
+    for m in prompt:
+        role, content = m.get("role"), m.get("content")
+        if role not in ("system", "user") or not isinstance(content, str):
+            raise ValueError(
+                f"Qwen-Image prompts accept system/user messages with string content, got role={role!r}, "
+                f"content type {type(content).__name__}"
+            )
+        text += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    text += "<|im_start|>assistant\n"
+    if not text.startswith(PROMPT_PREFIX) or len(prompt) != 2:
+        raise ValueError(
+            "Qwen-Image message prompts must be [system, user] with the Qwen-Image system prompt "
+            f"({QWEN_IMAGE_SYSTEM_PROMPT!r}); the encoder drops exactly that {DROP_IDX}-token prefix. "
+            "Re-create the parquet with the data_prep converter or pass plain strings."
+        )
+    return text
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) or (B, C, 1, H, W) -> (B, (H/2)(W/2), 4C); feature index c*4 + 2*py + px (channel slowest)."""
+    if latents.ndim == 5:
+        if latents.shape[2] != 1:
+            raise ValueError(f"expected a single frame (B, C, 1, H, W), got {tuple(latents.shape)}")
+        latents = latents[:, :, 0]
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height/width must be even to pack 2x2, got {h}x{w}")
+    x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, latent_h: int, latent_w: int) -> torch.Tensor:
+    """Inverse of pack_latents: (B, (h/2)(w/2), 4C) -> (B, C, h, w)."""
+    b, n, f = packed.shape
+    if n != (latent_h // 2) * (latent_w // 2) or f % 4:
+        raise ValueError(f"packed latents {tuple(packed.shape)} do not match a {latent_h}x{latent_w} latent grid")
+    x = packed.reshape(b, latent_h // 2, latent_w // 2, f // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, f // 4, latent_h, latent_w)
+
+
+class QwenImageModel(FlowModel):
+    family = "qwen_image"
+    # verl-omni's Qwen-Image OCR recipe (spec algorithms.md 8.2); all bind inside `transformer_blocks`.
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0",
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
+    lora_block_prefixes = ("transformer_blocks",)
+    vae_scale_factor = 8
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        vae: torch.nn.Module,
+        text_encoder: torch.nn.Module,
+        tokenizer: Any,
+        scheduler_config: dict[str, Any],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_sequence_length: int = 512,
+    ) -> None:
+        super().__init__(device=device, dtype=dtype)
+        if not 1 <= max_sequence_length <= TOKENIZER_MAX_LENGTH:
+            raise ValueError(f"max_sequence_length must be in [1, {TOKENIZER_MAX_LENGTH}], got {max_sequence_length}")
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.tokenizer.padding_side = "right"
+        self.scheduler_config = dict(scheduler_config)
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale_factor = 2 ** len(vae.config.temperal_downsample)
+        self._check_scheduler_config()
+        # drop_idx is only right if the tokenizer splits the template prefix into exactly DROP_IDX tokens.
+        self.prefix_ids = self.tokenizer(PROMPT_PREFIX, add_special_tokens=False)["input_ids"]
+        if len(self.prefix_ids) != DROP_IDX:
+            raise ValueError(
+                f"the tokenizer splits the Qwen-Image prompt prefix into {len(self.prefix_ids)} tokens, not "
+                f"{DROP_IDX}; this is not the Qwen2.5-VL tokenizer the checkpoint expects"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_sequence_length: int = 512,
+    ) -> "QwenImageModel":
+        """Load transformer/, vae/, text_encoder/, tokenizer/ and the raw scheduler/scheduler_config.json."""
+        for sub in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
+            if not os.path.isdir(os.path.join(path, sub)):
+                raise FileNotFoundError(f"{path} has no {sub}/ folder; expected a Qwen-Image pipeline directory")
+        scheduler_config = read_json(os.path.join(path, "scheduler", "scheduler_config.json"), "scheduler config")
+        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
+        vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
+        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(path, "text_encoder"), dtype=dtype)
+        tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+        for m in (transformer, vae, text_encoder):
+            m.to(device).eval()
+        vae.requires_grad_(False)
+        text_encoder.requires_grad_(False)
+        return cls(
+            transformer, vae, text_encoder, tokenizer, scheduler_config,
+            device=device, dtype=dtype, max_sequence_length=max_sequence_length,
+        )
+
+    # ---- schedule ---------------------------------------------------------------------------------------------
+    def _check_scheduler_config(self) -> None:
+        cfg = self.scheduler_config
+        if not cfg.get("use_dynamic_shifting", False) or cfg.get("time_shift_type", "exponential") != "exponential":
+            raise ValueError(
+                "Qwen-Image expects a FlowMatchEulerDiscreteScheduler config with use_dynamic_shifting=true and "
+                f"time_shift_type='exponential'; got {cfg!r}"
+            )
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Number of packed image tokens (H/16)(W/16)."""
+        h, w = self.latent_hw(height, width)
+        return (h // 2) * (w // 2)
+
+    def schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """sigmas (N+1,) float32: dynamic mu from the token count, exponential shift, terminal stretch, trailing 0."""
+        cfg = self.scheduler_config
+        mu = losses.time_shift_mu(
+            self.image_seq_len(height, width),
+            base_seq_len=cfg.get("base_image_seq_len", 256),
+            max_seq_len=cfg.get("max_image_seq_len", 4096),
+            base_shift=cfg.get("base_shift", 0.5),
+            max_shift=cfg.get("max_shift", 1.15),
+        )
+        return losses.flow_sigmas(num_steps, mu=mu, shift_terminal=cfg.get("shift_terminal"))
+
+    # ---- prompts ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompt(self, prompts: Sequence[Any], images: Sequence[Any] | None = None) -> PromptEmbeds:
+        """prompts: list of str or [system, user] message lists -> PromptEmbeds (B, L<=max_sequence_length, D)."""
+        if images is not None and any(im is not None for im in images):
+            raise ValueError("Qwen-Image (text-to-image) takes no reference images; pass images=None")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+            raise TypeError("encode_prompt takes a LIST of prompts (str or message lists), one per sample")
+        if len(prompts) == 0:
+            raise ValueError("encode_prompt needs at least one prompt")
+        texts = [render_prompt(p) for p in prompts]
+        tok = self.tokenizer(
+            texts, max_length=TOKENIZER_MAX_LENGTH + DROP_IDX, padding=True, truncation=True, return_tensors="pt"
+        )
+        input_ids = tok["input_ids"].to(self.device)
+        attention_mask = tok["attention_mask"].to(self.device)
+        prefix = torch.tensor(self.prefix_ids, device=self.device)
+        if not bool((input_ids[:, :DROP_IDX] == prefix).all()):
+            raise RuntimeError("a tokenised prompt does not start with the Qwen-Image system prefix; cannot drop it")
+        out = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        hidden = out.hidden_states[-1]  # (B, T, D)
+        rows = [h[m.bool()][DROP_IDX:][: self.max_sequence_length] for h, m in zip(hidden, attention_mask)]
+        max_len = max(r.shape[0] for r in rows)
+        embeds = hidden.new_zeros(len(rows), max_len, hidden.shape[-1])
+        mask = torch.zeros(len(rows), max_len, dtype=torch.int64, device=hidden.device)
+        for i, r in enumerate(rows):
+            embeds[i, : r.shape[0]] = r
+            mask[i, : r.shape[0]] = 1
+        return PromptEmbeds(embeds.to(self.dtype), mask)
+
+    # ---- latents ----------------------------------------------------------------------------------------------
+    def prepare_noise(self, height: int, width: int, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        """fp32 noise (B, (H/16)(W/16), 64): per row a (1, 16, H/8, W/8) draw from generators[b], then packed."""
+        h, w = self.latent_hw(height, width)
+        noise = per_row_noise((1, LATENT_CHANNELS, h, w), generators, self.device)  # (B, 1, 16, h, w)
+        return pack_latents(noise[:, 0])
+
+    def _latent_grid(self, num_tokens: int, height: int | None, width: int | None) -> tuple[int, int]:
+        """(H/8, W/8) of packed latents; square when no size is given."""
+        if height is None and width is None:
+            side = int(round(num_tokens**0.5))
+            if side * side != num_tokens:
+                raise ValueError(
+                    f"packed latents with {num_tokens} tokens are not square; pass height= and width= explicitly"
+                )
+            return 2 * side, 2 * side
+        if height is None or width is None:
+            raise ValueError("pass both height and width (or neither, for square images)")
+        h, w = self.latent_hw(height, width)
+        if (h // 2) * (w // 2) != num_tokens:
+            raise ValueError(f"{num_tokens} packed tokens do not match a {height}x{width} image")
+        return h, w
+
+    # ---- transformer ------------------------------------------------------------------------------------------
+    def predict_velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        prompt: PromptEmbeds,
+        ref_latents: torch.Tensor | None = None,
+        *,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> torch.Tensor:
+        """latents (B, L, 64), sigmas (B,) -> fp32 velocity v = eps - x0, (B, L, 64).
+
+        The timestep input is sigma, formed as the pipeline does: (1000 sigma) cast to the model dtype, / 1000.
+        """
+        if ref_latents is not None:
+            raise ValueError("Qwen-Image (text-to-image) takes no reference latents")
+        if latents.ndim != 3:
+            raise ValueError(f"Qwen-Image latents must be packed (B, L, 64), got {tuple(latents.shape)}")
+        b = latents.shape[0]
+        if len(prompt) != b:
+            raise ValueError(f"{len(prompt)} prompt rows for {b} latent rows")
+        h, w = self._latent_grid(latents.shape[1], height, width)
+        sigmas = self.check_sigmas(sigmas, b).to(self.device)
+        timestep = (sigmas * 1000.0).to(self.dtype) / 1000
+        out = self.transformer(
+            hidden_states=latents.to(device=self.device, dtype=self.dtype),
+            encoder_hidden_states=prompt.embeds.to(device=self.device, dtype=self.dtype),
+            encoder_hidden_states_mask=prompt.mask.to(self.device),
+            timestep=timestep,
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def guided_velocity(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        prompt: PromptEmbeds,
+        negative: PromptEmbeds | None,
+        scale: float,
+        ref_latents: torch.Tensor | None = None,
+        *,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> torch.Tensor:
+        """True CFG with the per-token norm rescale when scale > 1 (a negative is then required); else plain."""
+        if not self.check_guidance(scale, negative, "true_cfg_scale"):
+            return self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
+        cond = self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
+        uncond = self.predict_velocity(latents, sigmas, negative, ref_latents, height=height, width=width)
+        return losses.apply_cfg(cond, uncond, scale, renorm=True)
+
+    # ---- VAE --------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, *, height: int | None = None, width: int | None = None) -> torch.Tensor:
+        """Packed latents (B, L, 64) -> uint8 images (B, 3, H, W): unpack, z * std + mean, VAE decode, frame 0."""
+        h, w = self._latent_grid(latents.shape[1], height, width)
+        z = unpack_latents(latents.to(self.device), h, w)[:, :, None]  # (B, 16, 1, h, w)
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        z = z / inv_std + mean
+        images = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
+        return to_uint8(images)

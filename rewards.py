@@ -1,0 +1,919 @@
+"""Reward functions for T2I / TI2I RL post-training: OCR (GenRM or OCR engine), PickScore, JPEG size, and sums.
+
+One entry point for the trainers:
+
+    scorer = RewardScorer(RewardConfig.from_args(args))       # once per process; models load lazily, once
+    result = scorer.score_batch(images, ground_truths, data_sources, extra_infos)
+    result.rewards            # (B,) float32
+    result.extras             # {"reward/<name>": (B,) float32, ...}, NaN where a sample was not scored by <name>
+    result.texts              # {"ocr/response": [str | None] * B}, the judge's verbatim replies
+
+Conventions (spec rewards_data_anchors.md §1-2):
+- Images are uint8 `(3, H, W)` tensors in [0, 255] (verl-omni's convention since PR #373), as a list or one
+  uint8 `(B, 3, H, W)` tensor. Anything else (float pixels in [0, 1], HWC, numpy) raises.
+- `data_source` names the REWARD that scores the row (`ocr`, `pickscore`, `jpeg_compressibility`,
+  `jpeg_incompressibility`), never the task or the algorithm.
+- `ocr` ground truth is the bare quoted target text; `pickscore` ground truth is the caption / edit instruction.
+- A reward that fails raises; it never turns into a zero.
+
+Extras (numeric, (B,) float32, NaN where a sample was not scored by that reward): `reward/<name>` for every reward
+computed; `pickscore/raw` = exp(logit_scale)*cos before the /26 (the published PickScore scale, ~21-24);
+`reward/combined` for multi-reward. Metric keys are built by the trainers (training.validation_metrics); in a batch
+that mixes data sources, average extras with NaNs dropped.
+
+Multi-reward (`--reward_weights ocr=1.0,jpeg_compressibility=0.01`): every sample is scored by every listed reward
+and gets the weighted sum. A reward that is not the row's own data_source reads its ground truth from extra_info
+(`ocr`: "target_text", `pickscore`: "instruction"; the edit converter writes both) and raises if it is absent.
+
+The scorer holds only plain config until a reward is first used, so it can be built in a separate reward process
+(e.g. a `multiprocessing` worker or a standalone server script) from a pickled `RewardConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+PIXEL_CONVENTION = "uint8 tensor of shape (3, H, W) with values in [0, 255] (RGB, CHW)"
+REWARD_NAMES = ("ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")
+OCR_BACKENDS = ("http", "local", "rapidocr")
+# Where a multi-reward finds the ground truth of a reward that is not the row's own data_source (edit rows keep both).
+GROUND_TRUTH_EXTRA_KEY = {"ocr": "target_text", "pickscore": "instruction"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+def as_image_list(images: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    """A list of uint8 (3, H, W) tensors, or a uint8 (B, 3, H, W) batch (the rollout's output) -> validated list.
+    Raises ValueError for anything else (float pixels, HWC, grayscale, numpy, ...)."""
+    if isinstance(images, torch.Tensor):
+        if images.dim() != 4:
+            raise ValueError(f"a batched image tensor must be (B, 3, H, W), got shape {tuple(images.shape)}; "
+                             f"or pass a list with each item a {PIXEL_CONVENTION}")
+        images = list(images.unbind(0))
+    images = list(images)
+    validate_images(images)
+    return images
+
+
+def validate_images(images: Sequence[torch.Tensor]) -> None:
+    """Raise ValueError unless every image is a uint8 (3, H, W) tensor."""
+    for i, img in enumerate(images):
+        if not isinstance(img, torch.Tensor):
+            raise ValueError(f"image {i}: expected a torch.Tensor ({PIXEL_CONVENTION}), got {type(img).__name__}")
+        if img.dtype != torch.uint8:
+            hint = (" Float images in [0, 1] must be converted with (img * 255).round().clamp(0, 255).to(torch.uint8)."
+                    if img.is_floating_point() else "")
+            raise ValueError(f"image {i}: dtype {img.dtype}; rewards take a {PIXEL_CONVENTION}.{hint}")
+        if img.dim() != 3 or img.shape[0] != 3:
+            raise ValueError(f"image {i}: shape {tuple(img.shape)}; rewards take a {PIXEL_CONVENTION}")
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """uint8 (3, H, W) tensor -> RGB PIL image (no value rescaling)."""
+    return Image.fromarray(image.detach().cpu().permute(1, 2, 0).contiguous().numpy(), mode="RGB")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# OCR: score, readers (GenRM over HTTP, GenRM in-process with transformers, RapidOCR)
+# ----------------------------------------------------------------------------------------------------------------
+
+GENRM_SYSTEM_MESSAGE = "You are a helpful assistant."
+GENRM_OCR_PROMPT = (
+    "Please output only the text content from the image without any additional descriptions or formatting."
+)
+_WHITESPACE = re.compile(r"\s+")
+
+
+def ocr_score(transcription: str, target: str) -> float:
+    """verl-omni's GenRM OCR score (spec §1.1), in [0, 1].
+
+    Both strings lose every whitespace character and are lowercased. A target contained in the transcription scores
+    1; otherwise the Levenshtein distance, capped at len(target), gives 1 - d / len(target). An empty target scores 1
+    only against an empty transcription.
+    """
+    import Levenshtein
+
+    text = _WHITESPACE.sub("", transcription).lower()
+    gt = _WHITESPACE.sub("", target).lower()
+    if len(gt) == 0:
+        return 1.0 if len(text) == 0 else 0.0
+    dist = 0 if gt in text else Levenshtein.distance(text, gt)
+    dist = min(dist, len(gt))
+    return 1.0 - dist / len(gt)
+
+
+def png_data_url(image: Image.Image) -> str:
+    """PNG-encode a PIL image into a `data:image/png;base64,...` URL."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def genrm_openai_messages(image: Image.Image) -> list[dict]:
+    """The verl-omni GenRM OCR request: system message, then user [image_url part, text prompt part]."""
+    return [
+        {"role": "system", "content": GENRM_SYSTEM_MESSAGE},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": png_data_url(image)}},
+            {"type": "text", "text": GENRM_OCR_PROMPT},
+        ]},
+    ]
+
+
+@dataclass
+class SamplingConfig:
+    """GenRM sampling. verl-omni trains with temperature 0.7 / top_p 0.8 / max_tokens 4096; temperature 0 (greedy)
+    is the evaluation default here, because a sampled judge gives the same image different rewards."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 4096
+    seed: int | None = None
+
+
+class GenRMServerError(RuntimeError):
+    """The GenRM server could not produce a transcription after every retry."""
+
+
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class GenRMHttpReader:
+    """Transcribe images with an OpenAI-compatible chat-completions server (e.g. `vllm serve
+    Qwen/Qwen3-VL-8B-Instruct`), one request per image, at most `concurrency` in flight.
+
+    Each request has a `timeout_s` deadline. Connection errors, timeouts, HTTP 408/429/5xx and malformed replies are
+    retried `max_retries` times with exponential backoff (`backoff_s`, doubling); other HTTP errors (400, 404, ...)
+    are not retried. When a request still fails, the whole batch raises `GenRMServerError` naming the URL and the
+    last error: a failed judge never becomes a zero reward.
+    """
+
+    def __init__(self, url: str, model: str, sampling: SamplingConfig, *, concurrency: int = 32,
+                 timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 1.0,
+                 api_key: str | None = None):
+        if concurrency < 1:
+            raise ValueError(f"GenRM concurrency must be >= 1, got {concurrency}")
+        self.url = chat_completions_url(url)
+        self.model = model
+        self.sampling = sampling
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.api_key = api_key
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="genrm")
+
+    def request_body(self, image: Image.Image) -> dict:
+        body = {
+            "model": self.model,
+            "messages": genrm_openai_messages(image),
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "max_tokens": self.sampling.max_tokens,
+        }
+        if self.sampling.seed is not None:
+            body["seed"] = self.sampling.seed
+        return body
+
+    def _post_once(self, payload: bytes) -> str:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=payload, headers=headers, method="POST")
+        with _NO_PROXY_OPENER.open(req, timeout=self.timeout_s) as resp:
+            body = resp.read()
+        try:
+            reply = json.loads(body)
+            content = reply["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise _MalformedReply(f"malformed chat-completions reply ({exc!r}): {body[:200]!r}") from exc
+        if not isinstance(content, str):
+            raise _MalformedReply(f"reply content is {type(content).__name__}, not a string: {body[:200]!r}")
+        return content
+
+    def _transcribe_one(self, image: Image.Image) -> str:
+        payload = json.dumps(self.request_body(image)).encode("utf-8")
+        last_error: BaseException | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt > 0:
+                time.sleep(self.backoff_s * (2 ** (attempt - 1)))
+            try:
+                return self._post_once(payload)
+            except urllib.error.HTTPError as exc:
+                detail = exc.read()[:300] if exc.fp is not None else b""
+                last_error = RuntimeError(f"HTTP {exc.code} {exc.reason}: {detail!r}")
+                if exc.code not in _RETRY_STATUS:
+                    raise GenRMServerError(
+                        f"GenRM server {self.url} rejected the request (not retried): {last_error}") from exc
+            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, _MalformedReply) as exc:
+                last_error = exc
+        raise GenRMServerError(
+            f"GenRM server {self.url} failed {self.max_retries + 1} attempt(s) (timeout {self.timeout_s}s each): "
+            f"{last_error!r}. Check that the server is up (scripts/serve_genrm.sh waits for /health) and that "
+            f"--genrm_url points at it."
+        ) from last_error
+
+    def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
+        futures = [self._pool.submit(self._transcribe_one, img) for img in images]
+        concurrent.futures.wait(futures)  # no request outlives the batch, even when one has failed
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            if len(errors) == 1:
+                raise errors[0]
+            raise GenRMServerError(f"{len(errors)} of {len(futures)} GenRM requests failed; first: {errors[0]}") \
+                from errors[0]
+        return [f.result() for f in futures]
+
+
+class _MalformedReply(RuntimeError):
+    pass
+
+
+# The judge is a cluster-internal server: never route it through an http_proxy from the environment.
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def chat_completions_url(url: str) -> str:
+    """Accept `host:port`, `http://host:port`, `.../v1` or the full `.../v1/chat/completions` URL."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("GenRM URL is empty; pass --genrm_url http://HOST:PORT")
+    if "://" not in url:
+        url = "http://" + url
+    if url.endswith("/chat/completions"):
+        return url
+    if url.endswith("/v1"):
+        return url + "/chat/completions"
+    return url + "/v1/chat/completions"
+
+
+class GenRMLocalReader:
+    """Transcribe images with a local Qwen3-VL-Instruct checkpoint through transformers' `generate` (left-padded
+    batches, greedy when temperature == 0). Same messages as the HTTP backend; the reply is the decoded new tokens
+    with special tokens skipped, taken verbatim."""
+
+    def __init__(self, model_path: str, sampling: SamplingConfig, *, device: str = "cpu",
+                 dtype: torch.dtype | None = None, batch_size: int = 8):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.device = torch.device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.sampling = sampling
+        self.batch_size = batch_size
+        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.processor.tokenizer.padding_side = "left"
+        self.model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+
+    @staticmethod
+    def messages(image: Image.Image) -> list[dict]:
+        return [
+            {"role": "system", "content": [{"type": "text", "text": GENRM_SYSTEM_MESSAGE}]},
+            {"role": "user", "content": [
+                {"type": "image", "image": image},
+                {"type": "text", "text": GENRM_OCR_PROMPT},
+            ]},
+        ]
+
+    @torch.no_grad()
+    def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
+        replies: list[str] = []
+        for start in range(0, len(images), self.batch_size):
+            chunk = images[start:start + self.batch_size]
+            inputs = self.processor.apply_chat_template(
+                [self.messages(img) for img in chunk], tokenize=True, add_generation_prompt=True,
+                return_dict=True, return_tensors="pt", processor_kwargs={"padding": True},
+            ).to(self.device)
+            gen_kwargs: dict[str, Any] = {"max_new_tokens": self.sampling.max_tokens}
+            if self.sampling.temperature > 0:
+                gen_kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+            else:
+                gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            # Sampling draws from a forked RNG, so the judge never moves the caller's (trainer's) global RNG state.
+            cuda = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                if self.sampling.seed is not None:
+                    torch.manual_seed(self.sampling.seed + start)
+                out = self.model.generate(**inputs, **gen_kwargs)
+            new_tokens = out[:, inputs["input_ids"].shape[1]:]
+            replies.extend(self.processor.batch_decode(new_tokens, skip_special_tokens=True))
+        return replies
+
+
+class RapidOCRReader:
+    """Offline CPU OCR engine (RapidOCR, PP-OCR ONNX weights shipped in the wheel): the Flow-GRPO PaddleOCR-style
+    reward. As in flow_grpo, no angle classifier and every detected line is concatenated with no separator, in
+    reading order; a line is kept when its confidence exceeds `min_confidence` (flow_grpo: > 0).
+
+    Detection resizes so the LONGER side is at most `det_limit_side_len` (PaddleOCR's 960/"max" default).
+    RapidOCR's own default ("min" side 736) upsamples a 256^2 image ~3x and is ~10x slower.
+    """
+
+    def __init__(self, *, det_limit_side_len: int = 960, min_confidence: float = 0.0, num_threads: int = 1):
+        from rapidocr import RapidOCR
+
+        self.min_confidence = min_confidence
+        self.engine = RapidOCR(params={
+            "Global.use_cls": False,
+            "Global.text_score": 0.0,
+            "Global.log_level": "warning",
+            "Det.limit_type": "max",
+            "Det.limit_side_len": det_limit_side_len,
+            "EngineConfig.onnxruntime.intra_op_num_threads": num_threads,
+            "EngineConfig.onnxruntime.inter_op_num_threads": 1,
+        })
+
+    def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
+        replies = []
+        for img in images:
+            out = self.engine(np.asarray(img))  # RGB HWC uint8; errors propagate
+            txts = out.txts or ()
+            scores = out.scores or ()
+            replies.append("".join(t for t, s in zip(txts, scores) if s > self.min_confidence))
+        return replies
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# JPEG size (DDPO)
+# ----------------------------------------------------------------------------------------------------------------
+
+def jpeg_size_kb(image: Image.Image, quality: int = 95) -> float:
+    """Size of the image saved as JPEG at `quality`, in kilobytes of 1000 bytes (DDPO: `buffer.tell() / 1000`)."""
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=quality)
+    return buf.tell() / 1000.0
+
+
+def jpeg_incompressibility(images: Sequence[Image.Image]) -> torch.Tensor:
+    """DDPO's `jpeg_incompressibility`: JPEG size at quality 95 in kB (bytes / 1000), unscaled. (B,) float32."""
+    return torch.tensor([jpeg_size_kb(img) for img in images], dtype=torch.float32)
+
+
+def jpeg_compressibility(images: Sequence[Image.Image]) -> torch.Tensor:
+    """DDPO's `jpeg_compressibility`: minus the JPEG size at quality 95 in kB (bytes / 1000), unscaled.
+    (flow_grpo divides this by a further 500; we keep DDPO's scale.) (B,) float32."""
+    return -jpeg_incompressibility(images)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PickScore with open_clip, from a transformers CLIPModel checkpoint
+# ----------------------------------------------------------------------------------------------------------------
+
+PICKSCORE_SCALE = 26.0  # verl-omni / flow_grpo / UniRL divide exp(logit_scale)*cos by 26 ("norm to 0-1")
+_CONVERTER_VERSION = "1"
+
+
+def open_clip_config_from_hf(hf_config: dict) -> dict:
+    """open_clip `model_cfg` for a transformers `CLIPConfig` dict (PickScore_v1 gives exactly ViT-H-14's config).
+
+    Text pooling mirrors transformers: a legacy `eos_token_id == 2` pools at argmax(token id) (open_clip's default,
+    the end-of-text token has the largest id), otherwise at the first `eos_token_id`.
+    """
+    vc, tc = hf_config["vision_config"], hf_config["text_config"]
+    acts = {vc.get("hidden_act", "quick_gelu"), tc.get("hidden_act", "quick_gelu")}
+    if len(acts) != 1 or not acts <= {"gelu", "quick_gelu"}:
+        raise ValueError(f"unsupported CLIP activation(s) {sorted(acts)}: open_clip builds 'gelu' or 'quick_gelu'")
+    if vc["hidden_size"] % vc["num_attention_heads"]:
+        raise ValueError("vision hidden_size must be divisible by num_attention_heads")
+    eos = tc.get("eos_token_id", 2)
+    text_cfg = {
+        "context_length": tc.get("max_position_embeddings", 77),
+        "vocab_size": tc["vocab_size"],
+        "width": tc["hidden_size"],
+        "heads": tc["num_attention_heads"],
+        "layers": tc["num_hidden_layers"],
+    }
+    if tc["intermediate_size"] != 4 * tc["hidden_size"]:
+        text_cfg["mlp_ratio"] = tc["intermediate_size"] / tc["hidden_size"]
+    if eos != 2:
+        text_cfg.update(pool_type="eos", eos_id=eos)
+    vision_cfg = {
+        "image_size": vc["image_size"],
+        "layers": vc["num_hidden_layers"],
+        "width": vc["hidden_size"],
+        "head_width": vc["hidden_size"] // vc["num_attention_heads"],
+        "patch_size": vc["patch_size"],
+    }
+    if vc["intermediate_size"] != 4 * vc["hidden_size"]:
+        vision_cfg["mlp_ratio"] = vc["intermediate_size"] / vc["hidden_size"]
+    for cfg, sub in ((vision_cfg, vc), (text_cfg, tc)):
+        eps = sub.get("layer_norm_eps", 1e-5)
+        if eps != 1e-5:  # open_clip's LayerNorm default
+            cfg["norm_kwargs"] = {"eps": eps}
+    model_cfg = {"embed_dim": hf_config["projection_dim"], "vision_cfg": vision_cfg, "text_cfg": text_cfg}
+    if acts == {"quick_gelu"}:
+        model_cfg["quick_gelu"] = True
+    return model_cfg
+
+
+def convert_hf_clip_state_dict(hf_sd: dict[str, torch.Tensor], model_cfg: dict) -> dict[str, torch.Tensor]:
+    """Map a transformers CLIPModel state dict onto open_clip CLIP names (spec §2.2). Every HF tensor must be used
+    (position_ids buffers excepted): a leftover or missing key is an error."""
+    sd = {k: v for k, v in hf_sd.items() if not k.endswith("position_ids")}
+    out: dict[str, torch.Tensor] = {}
+
+    def take(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise KeyError(f"CLIP checkpoint lacks tensor {key!r}")
+        return sd.pop(key)
+
+    def layers(hf_prefix: str, oc_prefix: str, n: int) -> None:
+        for i in range(n):
+            h, o = f"{hf_prefix}.encoder.layers.{i}", f"{oc_prefix}.transformer.resblocks.{i}".lstrip(".")
+            for s in ("weight", "bias"):
+                out[f"{o}.attn.in_proj_{s}"] = torch.cat(
+                    [take(f"{h}.self_attn.{p}_proj.{s}") for p in ("q", "k", "v")], dim=0)
+                out[f"{o}.attn.out_proj.{s}"] = take(f"{h}.self_attn.out_proj.{s}")
+                out[f"{o}.ln_1.{s}"] = take(f"{h}.layer_norm1.{s}")
+                out[f"{o}.ln_2.{s}"] = take(f"{h}.layer_norm2.{s}")
+                out[f"{o}.mlp.c_fc.{s}"] = take(f"{h}.mlp.fc1.{s}")
+                out[f"{o}.mlp.c_proj.{s}"] = take(f"{h}.mlp.fc2.{s}")
+
+    v = "vision_model"
+    out["visual.conv1.weight"] = take(f"{v}.embeddings.patch_embedding.weight")
+    out["visual.class_embedding"] = take(f"{v}.embeddings.class_embedding")
+    out["visual.positional_embedding"] = take(f"{v}.embeddings.position_embedding.weight")
+    for s in ("weight", "bias"):
+        out[f"visual.ln_pre.{s}"] = take(f"{v}.pre_layrnorm.{s}")
+        out[f"visual.ln_post.{s}"] = take(f"{v}.post_layernorm.{s}")
+    out["visual.proj"] = take("visual_projection.weight").t().contiguous()
+    layers(v, "visual", model_cfg["vision_cfg"]["layers"])
+
+    t = "text_model"
+    out["token_embedding.weight"] = take(f"{t}.embeddings.token_embedding.weight")
+    out["positional_embedding"] = take(f"{t}.embeddings.position_embedding.weight")
+    for s in ("weight", "bias"):
+        out[f"ln_final.{s}"] = take(f"{t}.final_layer_norm.{s}")
+    out["text_projection"] = take("text_projection.weight").t().contiguous()
+    layers(t, "", model_cfg["text_cfg"]["layers"])
+
+    out["logit_scale"] = take("logit_scale")
+    if sd:
+        raise KeyError(f"CLIP checkpoint has tensors the open_clip conversion does not map: {sorted(sd)[:10]}")
+    return out
+
+
+def _hf_weights_file(checkpoint: Path) -> Path:
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (checkpoint / name).is_file():
+            return checkpoint / name
+    raise FileNotFoundError(f"{checkpoint}: no model.safetensors or pytorch_model.bin (a transformers CLIPModel "
+                            f"checkpoint such as yuvalkirstain/PickScore_v1 is expected)")
+
+
+def _checkpoint_fingerprint(checkpoint: Path) -> str:
+    """Cheap content fingerprint: config bytes, weight-file size and its first/last 4 MiB."""
+    weights = _hf_weights_file(checkpoint)
+    h = hashlib.sha256(_CONVERTER_VERSION.encode())
+    h.update((checkpoint / "config.json").read_bytes())
+    size = weights.stat().st_size
+    h.update(f"{weights.name}:{size}".encode())
+    with open(weights, "rb") as f:
+        h.update(f.read(4 << 20))
+        f.seek(max(0, size - (4 << 20)))
+        h.update(f.read(4 << 20))
+    return h.hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "pickscore_open_clip"
+
+
+def convert_clip_checkpoint(checkpoint: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Convert a transformers CLIPModel checkpoint into an open_clip `local-dir:` folder (open_clip_config.json +
+    open_clip_model.safetensors), cached under `cache_dir/<fingerprint>/`; reuse it when present. Atomic write."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint}/config.json not found: --pickscore_path must be a CLIPModel folder")
+    out_dir = Path(cache_dir or default_cache_dir()) / _checkpoint_fingerprint(checkpoint)
+    if (out_dir / "open_clip_model.safetensors").is_file() and (out_dir / "open_clip_config.json").is_file():
+        return out_dir
+    hf_config = json.loads((checkpoint / "config.json").read_text())
+    model_cfg = open_clip_config_from_hf(hf_config)
+    weights = _hf_weights_file(checkpoint)
+    hf_sd = load_file(weights) if weights.suffix == ".safetensors" else torch.load(weights, map_location="cpu",
+                                                                                   weights_only=True)
+    oc_sd = {k: v.float().contiguous() for k, v in convert_hf_clip_state_dict(hf_sd, model_cfg).items()}
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(oc_sd, str(tmp / "open_clip_model.safetensors"))
+    (tmp / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg, "source": str(checkpoint)},
+                                                          indent=2))
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+@dataclass
+class ClipPreprocess:
+    """transformers CLIPImageProcessor semantics on uint8 (3, H, W) tensors: resize the shortest edge (bicubic,
+    antialiased), centre crop, rescale, normalise. Built from a `preprocessor_config.json`."""
+    shortest_edge: int
+    crop_hw: tuple[int, int]
+    rescale_factor: float
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ClipPreprocess":
+        size = cfg.get("size", 224)
+        shortest = size["shortest_edge"] if isinstance(size, dict) else int(size)
+        crop = cfg.get("crop_size", shortest)
+        crop_hw = (crop["height"], crop["width"]) if isinstance(crop, dict) else (int(crop), int(crop))
+        for key, want in (("do_resize", True), ("do_center_crop", True), ("do_rescale", True),
+                          ("do_normalize", True)):
+            if cfg.get(key, want) is not want:
+                raise ValueError(f"preprocessor_config {key}={cfg.get(key)} is not supported (CLIP expects {want})")
+        if cfg.get("resample", 3) != 3:
+            raise ValueError(f"preprocessor_config resample={cfg.get('resample')}; CLIP uses 3 (bicubic)")
+        return cls(shortest, crop_hw, float(cfg.get("rescale_factor", 1 / 255)),
+                   tuple(cfg["image_mean"]), tuple(cfg["image_std"]))
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        """uint8 (3, H, W) -> float32 (3, crop_h, crop_w)."""
+        import torchvision.transforms.v2.functional as TF
+
+        h, w = image.shape[-2:]
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
+        size = [new_long, new_short] if w <= h else [new_short, new_long]
+        x = TF.resize(image, size, interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
+        x = TF.center_crop(x, list(self.crop_hw))
+        x = x.float() * self.rescale_factor
+        mean = torch.tensor(self.mean, device=x.device).view(3, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(3, 1, 1)
+        return (x - mean) / std
+
+
+def read_image_processor_config(folder: Path) -> dict:
+    """The CLIP image-processor config: `preprocessor_config.json` (Hub layout), else the `image_processor` entry
+    of a transformers-5 `processor_config.json`."""
+    if (folder / "preprocessor_config.json").is_file():
+        return json.loads((folder / "preprocessor_config.json").read_text())
+    if (folder / "processor_config.json").is_file():
+        cfg = json.loads((folder / "processor_config.json").read_text())
+        if "image_processor" in cfg:
+            return cfg["image_processor"]
+    raise FileNotFoundError(f"{folder}: no preprocessor_config.json (CLIP image processor config); pass "
+                            f"--pickscore_processor_path pointing at a folder that has one")
+
+
+class PickScore:
+    """PickScore = exp(logit_scale) * cos(text, image) / 26 with open_clip's CLIP, fp32.
+
+    `checkpoint` is a transformers CLIPModel folder (PickScore_v1: ViT-H-14); its weights are converted once to an
+    open_clip folder (cached). Tokenizer and preprocessor_config come from `processor_path` (default: the checkpoint
+    folder; verl-omni takes them from laion/CLIP-ViT-H-14-laion2B-s32B-b79K, which is the same tokenizer/processor).
+    Texts are encoded once per unique prompt; images in batches of `batch_size`.
+    """
+
+    def __init__(self, checkpoint: str | Path, *, device: str = "cpu", processor_path: str | Path | None = None,
+                 cache_dir: str | Path | None = None, batch_size: int = 16):
+        import open_clip
+        from transformers import AutoTokenizer
+
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        oc_dir = convert_clip_checkpoint(checkpoint, cache_dir)
+        self.model = open_clip.create_model(f"local-dir:{oc_dir}", precision="fp32", device=self.device).eval()
+        proc = Path(processor_path or checkpoint)
+        self.tokenizer = AutoTokenizer.from_pretrained(proc)
+        self.context_length = int(self.model.positional_embedding.shape[0])
+        self.preprocess = ClipPreprocess.from_config(read_image_processor_config(proc))
+
+    @torch.no_grad()
+    def encode_text(self, prompts: Sequence[str]) -> torch.Tensor:
+        """(U,) prompts -> (U, D) L2-normalised fp32."""
+        tok = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.context_length,
+                             return_tensors="pt")
+        feats = self.model.encode_text(tok["input_ids"].to(self.device))
+        return torch.nn.functional.normalize(feats.float(), dim=-1)
+
+    @torch.no_grad()
+    def encode_images(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """uint8 (3, H, W) images -> (B, D) L2-normalised fp32."""
+        pixels = torch.stack([self.preprocess(img.to(self.device)) for img in images])
+        feats = self.model.encode_image(pixels)
+        return torch.nn.functional.normalize(feats.float(), dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, images: Sequence[torch.Tensor], prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (score / 26, raw exp(logit_scale)*cos), each (B,) float32 on CPU."""
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
+        position = {p: k for k, p in enumerate(dict.fromkeys(prompts))}
+        unique = list(position)
+        index = torch.tensor([position[p] for p in prompts])
+        text = torch.cat([self.encode_text(unique[i:i + self.batch_size])
+                          for i in range(0, len(unique), self.batch_size)])
+        raw = []
+        scale = self.model.logit_scale.exp().float()
+        for i in range(0, len(images), self.batch_size):
+            img = self.encode_images(images[i:i + self.batch_size])
+            txt = text[index[i:i + self.batch_size].to(text.device)]
+            raw.append(scale * (img * txt).sum(-1))
+        raw_t = torch.cat(raw).float().cpu()
+        return raw_t / PICKSCORE_SCALE, raw_t
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The scorer
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RewardConfig:
+    """Everything needed to build the rewards (plain data, picklable for a reward process)."""
+    ocr_backend: str = "http"
+    genrm_url: str = "http://127.0.0.1:8000"
+    genrm_model: str = "Qwen/Qwen3-VL-8B-Instruct"
+    genrm_model_path: str | None = None        # local backend: checkpoint folder (defaults to genrm_model)
+    genrm_device: str = "auto"
+    genrm_batch_size: int = 8
+    genrm_concurrency: int = 32
+    genrm_timeout_s: float = 120.0
+    genrm_max_retries: int = 3
+    genrm_backoff_s: float = 1.0
+    genrm_api_key_env: str = "GENRM_API_KEY"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rapidocr_det_limit_side_len: int = 960
+    rapidocr_threads: int = 1
+    pickscore_path: str | None = None
+    pickscore_processor_path: str | None = None
+    pickscore_device: str = "auto"
+    pickscore_cache_dir: str | None = None
+    pickscore_batch_size: int = 16
+    reward_weights: dict[str, float] | None = None   # multi-reward: every sample gets sum_k w_k * r_k
+
+    def __post_init__(self):
+        if self.ocr_backend not in OCR_BACKENDS:
+            raise ValueError(f"ocr_backend must be one of {OCR_BACKENDS}, got {self.ocr_backend!r}")
+        if self.reward_weights is not None:
+            if not self.reward_weights:
+                raise ValueError("reward_weights is empty; omit it for single rewards chosen by data_source")
+            bad = [k for k in self.reward_weights if k not in REWARD_NAMES]
+            if bad:
+                raise ValueError(f"unknown reward(s) {bad} in reward_weights; known: {REWARD_NAMES}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
+        return cls(
+            ocr_backend=args.ocr_backend, genrm_url=args.genrm_url, genrm_model=args.genrm_model,
+            genrm_model_path=args.genrm_model_path, genrm_device=args.genrm_device,
+            genrm_batch_size=args.genrm_batch_size, genrm_concurrency=args.genrm_concurrency,
+            genrm_timeout_s=args.genrm_timeout_s, genrm_max_retries=args.genrm_max_retries,
+            genrm_backoff_s=args.genrm_backoff_s,
+            sampling=SamplingConfig(args.genrm_temperature, args.genrm_top_p, args.genrm_max_tokens, args.genrm_seed),
+            rapidocr_det_limit_side_len=args.rapidocr_det_limit_side_len, rapidocr_threads=args.rapidocr_threads,
+            pickscore_path=args.pickscore_path, pickscore_processor_path=args.pickscore_processor_path,
+            pickscore_device=args.pickscore_device, pickscore_cache_dir=args.pickscore_cache_dir,
+            pickscore_batch_size=args.pickscore_batch_size,
+            reward_weights=parse_reward_weights(args.reward_weights) if args.reward_weights else None,
+        )
+
+
+def parse_reward_weights(spec: str) -> dict[str, float]:
+    """'pickscore=1.0,jpeg_compressibility=0.1' -> {'pickscore': 1.0, 'jpeg_compressibility': 0.1}."""
+    weights = {}
+    for part in spec.split(","):
+        name, sep, value = part.strip().partition("=")
+        if not sep:
+            raise ValueError(f"--reward_weights entry {part!r} is not NAME=WEIGHT")
+        weights[name.strip()] = float(value)
+    return weights
+
+
+def add_reward_args(parser: argparse.ArgumentParser) -> None:
+    """Reward flags shared by both trainers (and any standalone reward process)."""
+    g = parser.add_argument_group("rewards")
+    g.add_argument("--ocr_backend", choices=OCR_BACKENDS, default="http",
+                   help="reader for data_source 'ocr': http = OpenAI-compatible GenRM server (vllm serve), "
+                        "local = Qwen3-VL-Instruct with transformers in this process, rapidocr = CPU OCR engine")
+    g.add_argument("--genrm_url", default="http://127.0.0.1:8000",
+                   help="GenRM server base URL (http backend); a bearer key is read from $GENRM_API_KEY if set")
+    g.add_argument("--genrm_model", default="Qwen/Qwen3-VL-8B-Instruct",
+                   help="'model' field of each request (the name the server serves)")
+    g.add_argument("--genrm_model_path", default=None,
+                   help="local backend: Qwen3-VL-Instruct checkpoint folder (default: --genrm_model)")
+    g.add_argument("--genrm_device", default="auto", help="local backend device; auto = cuda if available else cpu")
+    g.add_argument("--genrm_batch_size", type=int, default=8, help="local backend generate() batch size")
+    g.add_argument("--genrm_concurrency", type=int, default=32, help="http backend: max requests in flight")
+    g.add_argument("--genrm_timeout_s", type=float, default=120.0, help="http backend: per-request timeout")
+    g.add_argument("--genrm_max_retries", type=int, default=3, help="http backend: retries after the first try")
+    g.add_argument("--genrm_backoff_s", type=float, default=1.0, help="http backend: first retry delay (doubles)")
+    g.add_argument("--genrm_temperature", type=float, default=0.0,
+                   help="GenRM sampling temperature (0 = greedy, the evaluation setting; verl-omni trains at 0.7)")
+    g.add_argument("--genrm_top_p", type=float, default=1.0, help="GenRM top_p (verl-omni trains at 0.8)")
+    g.add_argument("--genrm_max_tokens", type=int, default=4096, help="GenRM max new tokens (verl-omni: 4096)")
+    g.add_argument("--genrm_seed", type=int, default=None, help="GenRM sampling seed (sent as 'seed')")
+    g.add_argument("--rapidocr_det_limit_side_len", type=int, default=960,
+                   help="rapidocr backend: detector resizes so the longer side is at most this")
+    g.add_argument("--rapidocr_threads", type=int, default=1, help="rapidocr backend: onnxruntime intra-op threads")
+    g.add_argument("--pickscore_path", default=None,
+                   help="transformers CLIPModel folder of PickScore_v1 (converted once to open_clip, cached)")
+    g.add_argument("--pickscore_processor_path", default=None,
+                   help="folder with the CLIP tokenizer + preprocessor_config.json (default: --pickscore_path)")
+    g.add_argument("--pickscore_device", default="auto", help="auto = cuda if available else cpu")
+    g.add_argument("--pickscore_cache_dir", default=None,
+                   help=f"where converted open_clip weights are cached (default {default_cache_dir()})")
+    g.add_argument("--pickscore_batch_size", type=int, default=16)
+    g.add_argument("--reward_weights", default=None,
+                   help="multi-reward, e.g. 'pickscore=1.0,jpeg_compressibility=0.01': every sample is scored by "
+                        "each listed reward and gets the weighted sum (logged per reward as reward/<name>)")
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@dataclass
+class RewardResult:
+    rewards: torch.Tensor                       # (B,) float32
+    extras: dict[str, torch.Tensor]             # each (B,) float32; NaN where not applicable
+    texts: dict[str, list[str | None]] = field(default_factory=dict)
+
+
+class RewardScorer:
+    """Builds each reward on first use (once per process, thread-safe) and scores batches."""
+
+    def __init__(self, config: RewardConfig | None = None):
+        self.config = config or RewardConfig()
+        self._lock = threading.Lock()
+        self._ocr_reader = None
+        self._pickscore: PickScore | None = None
+
+    # --- model holders --------------------------------------------------------------------------------------
+    def ocr_reader(self):
+        with self._lock:
+            if self._ocr_reader is None:
+                c = self.config
+                if c.ocr_backend == "http":
+                    self._ocr_reader = GenRMHttpReader(
+                        c.genrm_url, c.genrm_model, c.sampling, concurrency=c.genrm_concurrency,
+                        timeout_s=c.genrm_timeout_s, max_retries=c.genrm_max_retries, backoff_s=c.genrm_backoff_s,
+                        api_key=os.environ.get(c.genrm_api_key_env) if c.genrm_api_key_env else None)
+                elif c.ocr_backend == "local":
+                    self._ocr_reader = GenRMLocalReader(c.genrm_model_path or c.genrm_model, c.sampling,
+                                                        device=_resolve_device(c.genrm_device),
+                                                        batch_size=c.genrm_batch_size)
+                else:
+                    self._ocr_reader = RapidOCRReader(det_limit_side_len=c.rapidocr_det_limit_side_len,
+                                                      num_threads=c.rapidocr_threads)
+            return self._ocr_reader
+
+    def pickscore(self) -> PickScore:
+        with self._lock:
+            if self._pickscore is None:
+                c = self.config
+                if not c.pickscore_path:
+                    raise ValueError("data_source 'pickscore' needs --pickscore_path (a PickScore_v1 CLIPModel folder)")
+                self._pickscore = PickScore(c.pickscore_path, device=_resolve_device(c.pickscore_device),
+                                            processor_path=c.pickscore_processor_path,
+                                            cache_dir=c.pickscore_cache_dir, batch_size=c.pickscore_batch_size)
+            return self._pickscore
+
+    def warmup(self, names: Sequence[str]) -> None:
+        """Load the models of `names` now (fail early at startup rather than at the first reward)."""
+        for name in names:
+            if name == "ocr":
+                self.ocr_reader()
+            elif name == "pickscore":
+                self.pickscore()
+            elif name not in REWARD_NAMES:
+                raise ValueError(f"unknown reward {name!r}; known: {REWARD_NAMES}")
+
+    # --- single rewards on a subset -------------------------------------------------------------------------
+    def _score(self, name: str, images: list[torch.Tensor], gts: list[str]) -> tuple[torch.Tensor, dict, dict]:
+        """One reward on a list of samples -> (scores (n,), numeric extras {key: (n,)}, text extras)."""
+        if name == "ocr":
+            pil = [to_pil(img) for img in images]
+            replies = self.ocr_reader().transcribe(pil)
+            if len(replies) != len(pil):
+                raise RuntimeError(f"OCR reader returned {len(replies)} replies for {len(pil)} images")
+            scores = torch.tensor([ocr_score(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
+            return scores, {}, {"ocr/response": replies}
+        if name == "pickscore":
+            scores, raw = self.pickscore()(images, gts)
+            return scores, {"pickscore/raw": raw}, {}
+        if name == "jpeg_compressibility":
+            return jpeg_compressibility([to_pil(img) for img in images]), {}, {}
+        if name == "jpeg_incompressibility":
+            return jpeg_incompressibility([to_pil(img) for img in images]), {}, {}
+        raise ValueError(
+            f"data_source {name!r} names no reward; known: {REWARD_NAMES}. data_source must name the reward "
+            f"(rewrite old datasets with data_prep/set_data_source.py)")
+
+    # --- public entry point ---------------------------------------------------------------------------------
+    def score_batch(self, images: Sequence[torch.Tensor] | torch.Tensor, ground_truths: Sequence[str],
+                    data_sources: Sequence[str], extra_infos: Sequence[dict | None] | None = None) -> RewardResult:
+        """Score B samples. images: B uint8 (3, H, W) tensors (a list, or one uint8 (B, 3, H, W) tensor; sizes may
+        differ in a list). Returns rewards (B,) float32 plus extras (see the module docstring)."""
+        images = as_image_list(images)
+        n = len(images)
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        if not (len(ground_truths) == len(data_sources) == len(extra_infos) == n):
+            raise ValueError(f"batch fields disagree: {n} images, {len(ground_truths)} ground truths, "
+                             f"{len(data_sources)} data sources, {len(extra_infos)} extra infos")
+        for i, gt in enumerate(ground_truths):
+            if not isinstance(gt, str):
+                raise ValueError(f"sample {i}: ground_truth must be a str, got {type(gt).__name__}")
+        for i, ds in enumerate(data_sources):
+            if ds not in REWARD_NAMES:
+                raise ValueError(
+                    f"sample {i}: data_source {ds!r} names no reward; known: {REWARD_NAMES}. data_source must name "
+                    f"the reward (relabel old datasets with data_prep/set_data_source.py)")
+        weights = self.config.reward_weights
+        names = list(weights) if weights else list(dict.fromkeys(data_sources))
+
+        extras: dict[str, torch.Tensor] = {}
+        texts: dict[str, list[str | None]] = {}
+        per_reward: dict[str, torch.Tensor] = {}
+        for name in names:
+            idx = list(range(n)) if weights else [i for i in range(n) if data_sources[i] == name]
+            gts = [self._ground_truth(name, i, ground_truths, data_sources, extra_infos) for i in idx]
+            scores, num_extras, txt_extras = self._score(name, [images[i] for i in idx], gts)
+            if scores.shape != (len(idx),) or not torch.isfinite(scores).all():
+                raise RuntimeError(f"reward {name!r} returned non-finite or mis-shaped scores {scores}")
+            full = torch.full((n,), float("nan"))
+            full[idx] = scores
+            per_reward[name] = full
+            extras[f"reward/{name}"] = full
+            for key, vals in num_extras.items():
+                extras[key] = torch.full((n,), float("nan"))
+                extras[key][idx] = vals.float()
+            for key, vals in txt_extras.items():
+                texts[key] = [None] * n
+                for j, i in enumerate(idx):
+                    texts[key][i] = vals[j]
+        if weights:
+            rewards = sum(w * per_reward[k] for k, w in weights.items())
+            extras["reward/combined"] = rewards
+        else:
+            rewards = torch.full((n,), float("nan"))
+            for name, full in per_reward.items():
+                mask = ~torch.isnan(full)
+                rewards[mask] = full[mask]
+        return RewardResult(rewards=rewards.float(), extras=extras, texts=texts)
+
+    @staticmethod
+    def _ground_truth(name: str, i: int, gts: Sequence[str], sources: Sequence[str],
+                      infos: Sequence[dict | None]) -> str:
+        if sources[i] == name or name.startswith("jpeg_"):
+            return gts[i]
+        key = GROUND_TRUTH_EXTRA_KEY[name]
+        info = infos[i] or {}
+        if not isinstance(info.get(key), str):
+            raise ValueError(
+                f"sample {i} (data_source {sources[i]!r}) has no ground truth for reward {name!r}: multi-reward "
+                f"reads it from extra_info[{key!r}] when the row's data_source names another reward")
+        return info[key]
+
+
+def _main() -> None:
+    """Score image files from the command line: python rewards.py --data_source ocr --ground_truth TEXT a.png ..."""
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("images", nargs="+")
+    parser.add_argument("--data_source", required=True, choices=REWARD_NAMES)
+    parser.add_argument("--ground_truth", default="")
+    add_reward_args(parser)
+    args = parser.parse_args()
+    scorer = RewardScorer(RewardConfig.from_args(args))
+    imgs = [torch.from_numpy(np.array(Image.open(p).convert("RGB"))).permute(2, 0, 1).contiguous()
+            for p in args.images]
+    res = scorer.score_batch(imgs, [args.ground_truth] * len(imgs), [args.data_source] * len(imgs))
+    for i, path in enumerate(args.images):
+        line = {"image": path, "reward": float(res.rewards[i])}
+        line.update({k: float(v[i]) for k, v in res.extras.items() if not math.isnan(float(v[i]))})
+        line.update({k: v[i] for k, v in res.texts.items() if v[i] is not None})
+        print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    _main()

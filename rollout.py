@@ -1,0 +1,819 @@
+"""Rollouts: one request/response contract, the native engine (diffusers/torch via `models/`), and a group of
+rollout worker subprocesses on GPUs reserved for rollout.
+
+The trainers build a `RolloutRequest` (one prompt per sample, already repeated `n` times per group), hand it to a
+`RolloutGroup`, and get a `RolloutResult` back in request order. Each worker process owns one engine on its own
+device(s) (`CUDA_VISIBLE_DEVICES` set per worker) and loads LoRA adapters from the same PEFT directories a
+vllm-omni engine would read. Everything that crosses the process boundary is CPU tensors.
+
+Sampling (native engine), per sample b with its own generator g_b seeded from `seeds[b]`:
+  1. initial noise from g_b (model-native layout, fp32); for edit, the reference VAE latents are sampled next
+     from g_b;
+  2. SDE window start from g_b (only when `sde_window_size` is set): start ~ UniformInt{lo, ..., hi - w};
+  3. for every step i: velocity (with the model's CFG), then `losses.sde_step` in fp32 — inside the window with
+     `noise_level` (noise from g_b), outside it with 0 (Euler, no noise drawn).
+So a sample never depends on how requests are batched or split across workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+import losses
+
+ENGINES = ("native", "vllm_omni")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Seeds and SDE windows (spec algorithms.md §3.1, §3.3)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def row_seed(seed: int, global_step: int, row: int) -> int:
+    """Per-row rollout seed: ``base = seed + global_step - 1``, ``(base * 1_000_003 + row) mod (2^63 - 1)``.
+
+    ``row`` is the sample's GLOBAL index in the step's batch (after the interleaved repeat by n), so every
+    sample of every group gets its own stream on every rank.
+    """
+    base = seed + global_step - 1
+    return (base * 1_000_003 + row) % (2**63 - 1)
+
+
+def sde_window_starts(
+    num_steps: int, window_size: int | None, window_range: Sequence[int] | None, generators: Sequence[torch.Generator]
+) -> list[int]:
+    """First step of each sample's SDE window.
+
+    ``window_size=None``: the window is steps [0, N-1) for everyone (every step but the last is stochastic and
+    trained). Otherwise start ~ UniformInt{lo, ..., hi - w} from the sample's generator with ``(lo, hi) =
+    window_range`` (default (0, 5), verl-omni's fallback); the window is [start, start + w).
+    """
+    if window_size is None:
+        return [0] * len(generators)
+    lo, hi = (0, 5) if window_range is None else (int(window_range[0]), int(window_range[1]))
+    if window_size < 1 or lo < 0 or hi - window_size < lo or hi > num_steps:
+        raise ValueError(
+            f"sde_window_size={window_size} does not fit sde_window_range=({lo}, {hi}) within {num_steps} steps"
+        )
+    return [int(torch.randint(lo, hi - window_size + 1, (1,), generator=g).item()) for g in generators]
+
+
+def window_length(num_steps: int, window_size: int | None) -> int:
+    return num_steps - 1 if window_size is None else window_size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The contract
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutRequest:
+    """One batch of samples to generate (all at one size and step count).
+
+    prompts: per sample, a str or a chat-message list ``[{"role", "content"}, ...]`` as stored in the parquet.
+    negative_prompts: per sample (same forms), required when guidance is active.
+    images: per sample reference image (uint8 (3, H, W) tensor or PIL) for Boogu edit, else None.
+    seeds: per-sample seeds (see `row_seed`).
+    guidance_scale: Boogu-Image text CFG (None -> 4.0, the released default). true_cfg_scale: Qwen-Image true CFG
+    (None -> 4.0, diffusers' default). Setting the other family's knob is an error.
+    noise_level / sde_type / sde_window_size / sde_window_range: the SDE knobs (noise_level 0 = ODE rollout).
+    return_log_probs / return_trajectory: store the window's log-probs / latents and timesteps.
+    """
+
+    prompts: list
+    seeds: list[int]
+    num_inference_steps: int
+    height: int
+    width: int
+    negative_prompts: list | None = None
+    images: list | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    noise_level: float = 0.0
+    sde_type: str = "sde"
+    sde_window_size: int | None = None
+    sde_window_range: tuple[int, int] | None = None
+    return_log_probs: bool = False
+    return_trajectory: bool = False
+    generator_device: str = "cpu"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
+        """Build from a plain dict; unknown keys are an error (a typo must not silently use a default)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown rollout request keys {unknown}; valid keys: {sorted(names)}")
+        request = cls(**data)
+        request.validate()
+        return request
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def validate(self) -> None:
+        n = len(self.prompts)
+        if n == 0:
+            raise ValueError("a rollout request needs at least one prompt")
+        for name in ("seeds", "negative_prompts", "images"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive int, got {self.num_inference_steps!r}")
+        if self.sde_type not in losses.SDE_TYPES:
+            raise ValueError(f"sde_type must be one of {losses.SDE_TYPES}, got {self.sde_type!r}")
+        if not self.noise_level >= 0:
+            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        if self.return_log_probs and self.noise_level == 0:
+            raise ValueError("return_log_probs needs noise_level > 0 (an ODE rollout has no transition density)")
+        if self.sde_window_size is not None:
+            window_length(self.num_inference_steps, self.sde_window_size)
+        if self.noise_level > 0 and self.sde_window_size is None and self.num_inference_steps < 2:
+            raise ValueError("an SDE rollout without sde_window_size needs num_inference_steps >= 2")
+
+    @staticmethod
+    def concat(requests: Sequence["RolloutRequest"]) -> "RolloutRequest":
+        """One request holding every sample of `requests` in order; their shared settings must agree."""
+        if not requests:
+            raise ValueError("RolloutRequest.concat needs at least one request")
+        per_sample = ("prompts", "seeds", "negative_prompts", "images")
+        first = requests[0]
+        for other in requests[1:]:
+            for f in dataclasses.fields(RolloutRequest):
+                if f.name not in per_sample and getattr(other, f.name) != getattr(first, f.name):
+                    raise ValueError(f"requests disagree on {f.name}: {getattr(first, f.name)!r} vs "
+                                     f"{getattr(other, f.name)!r}")
+            for name in ("negative_prompts", "images"):
+                if (getattr(other, name) is None) != (getattr(first, name) is None):
+                    raise ValueError(f"some requests carry {name} and others do not")
+        join = lambda name: None if getattr(first, name) is None else [  # noqa: E731
+            x for r in requests for x in getattr(r, name)]
+        return dataclasses.replace(first, **{name: join(name) for name in per_sample})
+
+    def select(self, rows: Sequence[int]) -> "RolloutRequest":
+        """The sub-request of the given sample rows (shared settings kept)."""
+        pick = lambda xs: None if xs is None else [xs[r] for r in rows]  # noqa: E731
+        return dataclasses.replace(
+            self, prompts=pick(self.prompts), seeds=pick(self.seeds), negative_prompts=pick(self.negative_prompts),
+            images=pick(self.images),
+        )
+
+
+@dataclass
+class RolloutResult:
+    """Batched rollout outputs, rows in request order (all tensors on CPU).
+
+    images: uint8 (B, 3, H, W). latents_clean: fp32 final latents in the model-native layout (Qwen packed
+    (B, L, 64), Boogu (B, 16, h, w)).
+    SDE rollouts with return_trajectory: all_latents fp32 (B, W+1, ...) = state at the window start and after every
+    window step; all_timesteps fp32 (B, W) scheduler timesteps 1000·σ (descending). With return_log_probs:
+    all_log_probs fp32 (B, W) (means over latent elements).
+    prompt_embeds / prompt_mask and negative_embeds / negative_mask: the encoder outputs used (model dtype),
+    right-padded. ref_latents: edit reference latents (B, 16, h, w) fp32.
+    metadata: shared facts (engine, family, sigmas used, size, steps, adapter version and bound-module count).
+    seeds: the per-sample seeds; window_starts: per-sample first SDE step (SDE rollouts).
+    """
+
+    images: torch.Tensor
+    latents_clean: torch.Tensor
+    prompt_embeds: torch.Tensor
+    prompt_mask: torch.Tensor
+    seeds: list[int]
+    metadata: dict[str, Any]
+    window_starts: list[int] | None = None
+    negative_embeds: torch.Tensor | None = None
+    negative_mask: torch.Tensor | None = None
+    ref_latents: torch.Tensor | None = None
+    all_latents: torch.Tensor | None = None
+    all_timesteps: torch.Tensor | None = None
+    all_log_probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def select(self, rows: Sequence[int]) -> "RolloutResult":
+        """The given sample rows (per-sample fields indexed, metadata shared)."""
+        rows = list(rows)
+        index = torch.as_tensor(rows, dtype=torch.long)
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        return RolloutResult(
+            images=pick(self.images), latents_clean=pick(self.latents_clean), prompt_embeds=pick(self.prompt_embeds),
+            prompt_mask=pick(self.prompt_mask), seeds=[self.seeds[r] for r in rows], metadata=self.metadata,
+            window_starts=None if self.window_starts is None else [self.window_starts[r] for r in rows],
+            negative_embeds=pick(self.negative_embeds), negative_mask=pick(self.negative_mask),
+            ref_latents=pick(self.ref_latents), all_latents=pick(self.all_latents),
+            all_timesteps=pick(self.all_timesteps), all_log_probs=pick(self.all_log_probs),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (no copies), for the process boundary: `RolloutResult(**d)` rebuilds it."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @staticmethod
+    def cat(parts: Sequence["RolloutResult"]) -> "RolloutResult":
+        """Concatenate along the batch; prompt embeddings are right-padded to the longest part."""
+        if not parts:
+            raise ValueError("RolloutResult.cat needs at least one part")
+
+        def cat_tensor(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise ValueError(f"cannot concatenate rollout parts where only some carry {name}")
+            return torch.cat(values)
+
+        def cat_padded(embeds_name: str, mask_name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            embeds = [getattr(p, embeds_name) for p in parts]
+            masks = [getattr(p, mask_name) for p in parts]
+            if all(e is None for e in embeds):
+                return None, None
+            length = max(e.shape[1] for e in embeds)
+            embeds = [torch.nn.functional.pad(e, (0, 0, 0, length - e.shape[1])) for e in embeds]
+            masks = [torch.nn.functional.pad(m, (0, length - m.shape[1])) for m in masks]
+            return torch.cat(embeds), torch.cat(masks)
+
+        metadata = dict(parts[0].metadata)
+        for p in parts[1:]:
+            for key in ("family", "height", "width", "num_inference_steps", "adapter_version"):
+                if p.metadata.get(key) != metadata.get(key):
+                    raise ValueError(f"rollout parts disagree on {key}: {p.metadata.get(key)} vs {metadata.get(key)}")
+        prompt_embeds, prompt_mask = cat_padded("prompt_embeds", "prompt_mask")
+        negative_embeds, negative_mask = cat_padded("negative_embeds", "negative_mask")
+        return RolloutResult(
+            images=cat_tensor("images"), latents_clean=cat_tensor("latents_clean"), prompt_embeds=prompt_embeds,
+            prompt_mask=prompt_mask, seeds=[s for p in parts for s in p.seeds], metadata=metadata,
+            window_starts=None if parts[0].window_starts is None else [s for p in parts for s in p.window_starts],
+            negative_embeds=negative_embeds, negative_mask=negative_mask, ref_latents=cat_tensor("ref_latents"),
+            all_latents=cat_tensor("all_latents"), all_timesteps=cat_tensor("all_timesteps"),
+            all_log_probs=cat_tensor("all_log_probs"),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The native engine
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _image_key(image: Any) -> str:
+    if image is None:
+        return ""
+    if isinstance(image, torch.Tensor):
+        return hashlib.sha1(image.contiguous().cpu().numpy().tobytes()).hexdigest()
+    return hashlib.sha1(image.tobytes()).hexdigest()
+
+
+class NativeEngine:
+    """Generates with diffusers/torch through the `models/` wrappers. One engine per device.
+
+    The engine owns the base weights plus one LoRA slot; `load_adapter` replaces the adapter with the tensors of a
+    PEFT directory (trainer or vllm-omni names) and returns how many modules they bound to.
+    """
+
+    name = "native"
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_batch_size: int = 8, **model_kwargs: Any) -> None:
+        from models import load_model
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = load_model(model_path, device=device, dtype=dtype, **model_kwargs)
+        self.model.transformer.requires_grad_(False)
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.adapter_version: str | None = None
+        self.bound_modules = 0
+
+    # ---- LoRA -------------------------------------------------------------------------------------------------
+    def load_adapter(self, adapter_dir: str, version: str) -> int:
+        """Load a PEFT adapter directory (either name form); fail if any tensor binds to nothing."""
+        from models import lora
+
+        self.bound_modules = lora.load_adapter(self.model, adapter_dir)
+        self.adapter_version = version
+        return self.bound_modules
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def _guidance(self, request: RolloutRequest) -> float:
+        family = self.model.family
+        if family == "boogu_image":
+            if request.true_cfg_scale is not None:
+                raise ValueError("Boogu-Image is guided by guidance_scale, not true_cfg_scale (a Qwen-Image knob)")
+            return 4.0 if request.guidance_scale is None else float(request.guidance_scale)
+        if request.guidance_scale is not None:
+            raise ValueError("Qwen-Image is guided by true_cfg_scale; guidance_scale is for guidance-distilled models")
+        return 4.0 if request.true_cfg_scale is None else float(request.true_cfg_scale)
+
+    def _encode(self, prompts: Sequence[Any], images: Sequence[Any] | None):
+        """Encode each distinct (prompt, image) once, then index the rows back (groups repeat prompts n times)."""
+        keys, unique, unique_images, rows = {}, [], [], []
+        for i, p in enumerate(prompts):
+            image = None if images is None else images[i]
+            key = json.dumps(p, sort_keys=True) + "|" + _image_key(image)
+            if key not in keys:
+                keys[key] = len(unique)
+                unique.append(p)
+                unique_images.append(image)
+            rows.append(keys[key])
+        embeds = self.model.encode_prompt(unique, images=unique_images if images is not None else None)
+        return embeds.index(rows)
+
+    @torch.no_grad()
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        request.validate()
+        parts = []
+        for start in range(0, len(request), self.max_batch_size):
+            rows = list(range(start, min(start + self.max_batch_size, len(request))))
+            parts.append(self._generate_chunk(request.select(rows)))
+        return RolloutResult.cat(parts)
+
+    def _generate_chunk(self, request: RolloutRequest) -> RolloutResult:
+        model, n = self.model, len(request)
+        height, width, steps = request.height, request.width, request.num_inference_steps
+        model.validate_size(height, width)
+        scale = self._guidance(request)
+        guided = scale > 1.0
+        if guided and request.negative_prompts is None:
+            raise ValueError(
+                f"{model.family}: guidance scale {scale} > 1 needs negative prompts (one per sample); pass "
+                "negative_prompts or set the scale to 1.0 to disable CFG"
+            )
+        edit = request.images is not None and any(im is not None for im in request.images)
+        generators = [torch.Generator(device=request.generator_device).manual_seed(int(s)) for s in request.seeds]
+
+        prompt = self._encode(request.prompts, request.images if edit else None)
+        # the edit negative is text-only: the reference image enters the negative pass as latents only
+        negative = self._encode(request.negative_prompts, None) if guided else None
+        latents = model.prepare_noise(height, width, generators).to(self.device)
+        ref_latents = model.encode_reference(request.images, generators) if edit else None
+
+        sigmas = model.schedule(steps, height, width).to(self.device)
+        timesteps = sigmas[:-1] * 1000
+        stochastic = request.noise_level > 0
+        starts = sde_window_starts(steps, request.sde_window_size, request.sde_window_range, generators) \
+            if stochastic else [steps] * n
+        width_w = window_length(steps, request.sde_window_size) if stochastic else 0
+        keep_trajectory = stochastic and request.return_trajectory
+        all_latents = [[] for _ in range(n)]
+        all_timesteps = [[] for _ in range(n)]
+        all_log_probs = [[] for _ in range(n)]
+
+        for i in range(steps):
+            sigma = sigmas[i].expand(n)
+            velocity = model.guided_velocity(latents, sigma, prompt, negative, scale, ref_latents,
+                                             height=height, width=width)
+            in_window = [starts[b] <= i < starts[b] + width_w for b in range(n)]
+            next_latents = torch.empty_like(latents)
+            for inside in (True, False):
+                rows = [b for b in range(n) if in_window[b] == inside]
+                if not rows:
+                    continue
+                index = torch.as_tensor(rows, device=self.device)
+                step = losses.sde_step(
+                    latents[index], velocity[index], sigmas[i], sigmas[i + 1],
+                    noise_level=request.noise_level if inside else 0.0, sde_type=request.sde_type,
+                    sigma_max=sigmas[1], generator=[generators[b] for b in rows] if inside else None,
+                )
+                next_latents[index] = step.prev_sample
+                if inside:
+                    for j, b in enumerate(rows):
+                        if keep_trajectory:
+                            if not all_latents[b]:
+                                all_latents[b].append(latents[b].float().cpu())
+                            all_latents[b].append(step.prev_sample[j].float().cpu())
+                            all_timesteps[b].append(timesteps[i].float().cpu())
+                        if request.return_log_probs:
+                            all_log_probs[b].append(step.log_prob[j].float().cpu())
+            latents = next_latents
+
+        images = model.decode(latents, height=height, width=width).cpu()
+        metadata = {
+            "engine": self.name,
+            "family": model.family,
+            "height": height,
+            "width": width,
+            "num_inference_steps": steps,
+            "sigmas": sigmas.cpu(),
+            "guidance": scale,
+            "noise_level": request.noise_level,
+            "sde_type": request.sde_type,
+            "window_size": width_w,
+            "adapter_version": self.adapter_version,
+            "bound_modules": self.bound_modules,
+            "generator_device": request.generator_device,
+        }
+        result = RolloutResult(
+            images=images, latents_clean=latents.float().cpu(), prompt_embeds=prompt.embeds.cpu(),
+            prompt_mask=prompt.mask.cpu(), seeds=list(request.seeds), metadata=metadata,
+            window_starts=starts if stochastic else None,
+            negative_embeds=None if negative is None else negative.embeds.cpu(),
+            negative_mask=None if negative is None else negative.mask.cpu(),
+            ref_latents=None if ref_latents is None else ref_latents.float().cpu(),
+        )
+        if keep_trajectory:
+            result.all_latents = torch.stack([torch.stack(rows) for rows in all_latents])
+            result.all_timesteps = torch.stack([torch.stack(rows) for rows in all_timesteps])
+        if request.return_log_probs:
+            result.all_log_probs = torch.stack([torch.stack(rows) for rows in all_log_probs])
+        return result
+
+
+def build_engine(engine: str, model_path: str, **kwargs: Any):
+    """The engine named `engine` ("native" or "vllm_omni")."""
+    if engine == "native":
+        return NativeEngine(model_path, **kwargs)
+    if engine == "vllm_omni":
+        raise ValueError(
+            "the vllm_omni engine is not available in this build; use --rollout-engine native (the default)"
+        )
+    raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker processes: length-prefixed pickled messages over stdin/stdout
+# ---------------------------------------------------------------------------------------------------------
+
+_HEADER = struct.Struct("<Q")
+
+
+def _send(stream, message: Any) -> None:
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    payload = buffer.getvalue()
+    stream.write(_HEADER.pack(len(payload)))
+    stream.write(payload)
+    stream.flush()
+
+
+def _read_exact(stream, size: int) -> bytes:
+    chunks, remaining = [], size
+    while remaining:
+        chunk = stream.read(remaining)
+        if not chunk:
+            raise EOFError("the peer closed the channel")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(stream) -> Any:
+    """One message; works on buffered and raw (short-reading) streams. Only our own processes are peers."""
+    (length,) = _HEADER.unpack(_read_exact(stream, _HEADER.size))
+    return torch.load(io.BytesIO(_read_exact(stream, length)), weights_only=False)
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (no orphans even if the trainer is
+    SIGKILLed); elsewhere the worker still exits on EOF of its stdin."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def worker_main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of one rollout worker process (`python rollout.py --worker ...`)."""
+    parser = argparse.ArgumentParser(description="rollout worker (started by RolloutGroup)")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--engine", default="native", choices=ENGINES)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    channel_in, channel_out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed by libraries goes to the log, never into the channel
+    try:
+        engine = build_engine(args.engine, args.model_path, device=args.device, dtype=getattr(torch, args.dtype),
+                              max_batch_size=args.max_batch_size)
+        _send(channel_out, {"ok": True, "ready": True})
+    except Exception as e:  # report the load failure to the parent, then exit
+        _send(channel_out, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return
+    while True:
+        try:
+            message = _recv(channel_in)
+        except EOFError:
+            return
+        op = message.get("op")
+        try:
+            if op == "generate":
+                result = engine.generate(RolloutRequest.from_dict(message["request"]))
+                reply = {"ok": True, "result": result.to_dict()}
+            elif op == "load_adapter":
+                reply = {"ok": True, "bound_modules": engine.load_adapter(message["path"], message["version"])}
+            elif op == "ping":
+                reply = {"ok": True}
+            elif op == "shutdown":
+                _send(channel_out, {"ok": True})
+                return
+            else:
+                reply = {"ok": False, "error": f"unknown op {op!r}"}
+        except Exception as e:
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        _send(channel_out, reply)
+
+
+class RolloutError(RuntimeError):
+    """A rollout worker failed, died or hung; the message carries its stderr tail."""
+
+
+@dataclass
+class _Worker:
+    index: int
+    devices: str
+    process: subprocess.Popen
+    log_path: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stderr_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "<no log>"
+
+
+class RolloutGroup:
+    """Rollout worker subprocesses, one per entry of `devices`.
+
+    devices: e.g. ["cuda:3"] or ["cuda:2", "cuda:3"] (each worker then sees only its GPU through
+    `CUDA_VISIBLE_DEVICES` and runs on cuda:0), or ["cpu", "cpu"] for tests. Requests are split into contiguous
+    row blocks across workers and the results gathered in order. A worker that dies, fails or exceeds `timeout_s`
+    stops the group with a `RolloutError` carrying its stderr tail; `close()` (also on Ctrl-C, at exit, or when the
+    parent dies) leaves no process behind.
+    """
+
+    def __init__(self, model_path: str, devices: Sequence[str], *, engine: str = "native", dtype: str = "float32",
+                 max_batch_size: int = 8, timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0,
+                 log_dir: str | None = None, threads_per_worker: int = 0, env: dict[str, str] | None = None) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
+        if not devices:
+            raise ValueError("a rollout group needs at least one device")
+        self.timeout_s = timeout_s
+        self.workers: list[_Worker] = []
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="rollout-logs-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        script = os.path.abspath(__file__)
+        try:
+            for index, device in enumerate(devices):
+                worker_env = dict(os.environ, **(env or {}))
+                worker_env["PYTHONPATH"] = os.pathsep.join(
+                    [os.path.dirname(script)] + [p for p in [worker_env.get("PYTHONPATH")] if p])
+                local_device = device
+                if device.startswith("cuda"):
+                    gpu_ids = device.split(":", 1)[1] if ":" in device else "0"
+                    worker_env["CUDA_VISIBLE_DEVICES"] = gpu_ids
+                    local_device = "cuda:0"
+                log_path = os.path.join(self.log_dir, f"rollout-worker-{index}.log")
+                log = open(log_path, "ab")
+                command = [sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
+                           "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
+                           "--threads", str(threads_per_worker)]
+                # unbuffered: select() on the pipe then sees every byte the worker wrote
+                process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                           env=worker_env, bufsize=0)
+                log.close()
+                self.workers.append(_Worker(index, device, process, log_path))
+            for worker in self.workers:
+                reply = self._read(worker, startup_timeout_s, "start-up")
+                if not reply.get("ok"):
+                    raise RolloutError(f"rollout worker {worker.index} ({worker.devices}) failed to start: "
+                                       f"{reply.get('error')}\n{reply.get('traceback', '')}")
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- plumbing ---------------------------------------------------------------------------------------------
+    def _fail(self, worker: _Worker, what: str) -> RolloutError:
+        self.close()
+        return RolloutError(
+            f"rollout worker {worker.index} ({worker.devices}) {what}; stderr tail ({worker.log_path}):\n"
+            f"{worker.stderr_tail()}"
+        )
+
+    def _read(self, worker: _Worker, timeout_s: float, what: str) -> dict:
+        stdout = worker.process.stdout
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(worker, f"did not answer within {timeout_s:.0f} s during {what}")
+            ready, _, _ = select.select([stdout], [], [], min(remaining, 1.0))
+            if ready:
+                try:
+                    return _recv(stdout)
+                except EOFError:
+                    code = worker.process.wait(timeout=10)
+                    raise self._fail(worker, f"died during {what} (exit code {code})") from None
+            if worker.process.poll() is not None:
+                raise self._fail(worker, f"died during {what} (exit code {worker.process.returncode})")
+
+    def _call_all(self, messages: list[dict], what: str) -> list[dict]:
+        """Send one message per worker (they run in parallel), then collect every reply in worker order.
+
+        A worker that dies or hangs closes the group. A worker that reports an error (e.g. a request that
+        violates the contract) stays alive: all replies are drained first, then the first error is raised.
+        """
+        for worker, message in zip(self.workers, messages):
+            try:
+                _send(worker.process.stdin, message)
+            except (BrokenPipeError, OSError):
+                raise self._fail(worker, f"is gone (could not send {what})") from None
+        replies = [self._read(worker, self.timeout_s, what) for worker in self.workers[: len(messages)]]
+        for worker, reply in zip(self.workers, replies):
+            if not reply.get("ok"):
+                raise RolloutError(f"rollout worker {worker.index} ({worker.devices}) failed during {what}: "
+                                   f"{reply.get('error')}\n{reply.get('traceback', '')}")
+        return replies
+
+    # ---- API --------------------------------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """Split the request's rows into contiguous blocks, one per worker, and gather the results in order."""
+        request.validate()
+        if not self.workers:
+            raise RolloutError("the rollout group is closed")
+        n, k = len(request), min(len(self.workers), len(request))
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        messages = [{"op": "generate", "request": dataclasses.asdict(request.select(range(bounds[i], bounds[i + 1])))}
+                    for i in range(k)]
+        replies = self._call_all(messages, "generate")
+        return RolloutResult.cat([RolloutResult(**r["result"]) for r in replies])
+
+    def load_adapter(self, adapter_dir: str, version: str) -> list[int]:
+        """Every worker loads the PEFT adapter directory; returns each worker's bound-module count."""
+        replies = self._call_all([{"op": "load_adapter", "path": adapter_dir, "version": version}] * self.num_workers,
+                                 "load_adapter")
+        return [int(r["bound_modules"]) for r in replies]
+
+    def close(self) -> None:
+        """Stop every worker (politely, then SIGKILL); idempotent."""
+        workers, self.workers = self.workers, []
+        for worker in workers:
+            try:
+                worker.process.stdin.close()
+            except OSError:
+                pass
+        for worker in workers:
+            try:
+                worker.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+
+    def __enter__(self) -> "RolloutGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trainer side: one rollout group per node, driven by the node's local rank 0
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DistributedRollout:
+    """What every trainer rank uses. On each node, local rank 0 owns a `RolloutGroup` on that node's rollout GPUs;
+    `generate` gathers the node's per-rank requests (over a gloo subgroup of the node's ranks), runs them as one
+    request and scatters each rank its own rows back. Without torch.distributed it is a plain group.
+
+    Multi-node layout: every node runs `torchrun --nproc_per_node=<trainer GPUs>` and reserves `devices` (e.g.
+    `cuda:3`) for its own rollout workers; adapter directories must be on a filesystem all nodes see.
+    """
+
+    def __init__(self, model_path: str, devices: Sequence[str], **group_kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.node_group, self.node_root = None, 0
+        local_rank = 0
+        if self.distributed:
+            world = dist.get_world_size()
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            if world % local_world:
+                raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
+            # every rank must create every node's subgroup (a collective), then keep its own
+            self.node_group, _ = dist.new_subgroups(group_size=local_world, backend="gloo")
+            self.node_root = dist.get_global_rank(self.node_group, 0)
+        self.group = RolloutGroup(model_path, devices, **group_kwargs) if local_rank == 0 else None
+        self._check_started()
+
+    def _check_started(self) -> None:
+        """Every rank learns whether every node's group started (so none waits forever on a failed node)."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        flags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, self.group is not None or int(os.environ.get("LOCAL_RANK", 0)) != 0)
+        if not all(flags):
+            raise RolloutError("a node's rollout group failed to start (see that node's log)")
+
+    @property
+    def is_driver(self) -> bool:
+        return self.group is not None
+
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """This rank's rows of the node's combined request, in order. Collective over the node's ranks."""
+        if not self.distributed:
+            return self.group.generate(request)
+        import torch.distributed as dist
+
+        size = dist.get_world_size(self.node_group)
+        gathered: list[Any] = [None] * size if self.is_driver else None
+        dist.gather_object(dataclasses.asdict(request), gathered, dst=self.node_root, group=self.node_group)
+        parts: list[Any] = [None] * size
+        if self.is_driver:
+            requests = [RolloutRequest.from_dict(r) for r in gathered]
+            error, result = None, None
+            try:
+                result = self.group.generate(RolloutRequest.concat(requests))
+            except Exception as e:  # every rank of the node must hear about it, not hang in the scatter
+                error = f"{type(e).__name__}: {e}"
+            start = 0
+            for i, r in enumerate(requests):
+                rows = range(start, start + len(r))
+                parts[i] = {"error": error} if error else {"result": result.select(rows).to_dict()}
+                start += len(r)
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, parts if self.is_driver else None, src=self.node_root, group=self.node_group)
+        if "error" in mine[0]:
+            raise RolloutError(f"rollout failed on this node: {mine[0]['error']}")
+        return RolloutResult(**mine[0]["result"])
+
+    def load_adapter(self, adapter_dir: str, version: str) -> list[int]:
+        """Every node's workers load the adapter; returns this node's per-worker bound-module counts on every rank
+        of the node. Collective over the node's ranks."""
+        counts: Any = None
+        error = None
+        if self.is_driver:
+            try:
+                counts = self.group.load_adapter(adapter_dir, version)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        if not self.distributed:
+            if error:
+                raise RolloutError(error)
+            return counts
+        import torch.distributed as dist
+
+        box = [{"counts": counts, "error": error}]
+        dist.broadcast_object_list(box, src=self.node_root, group=self.node_group)
+        if box[0]["error"]:
+            raise RolloutError(f"adapter {adapter_dir} could not be loaded by the rollout workers: {box[0]['error']}")
+        return box[0]["counts"]
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        import rollout as _rollout  # run the module's own copy, not __main__'s, so its classes have one identity
+
+        _rollout.worker_main()
+    else:
+        sys.exit("rollout.py is started by the trainers' RolloutGroup (python rollout.py --worker ...)")

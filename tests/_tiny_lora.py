@@ -1,0 +1,37 @@
+"""A tiny stand-in for a flow transformer (3 blocks under `blocks`, embedders outside), for tests/test_training.py
+and its torchrun worker. Module names mirror the real models' LoRA targets (`to_q`, `ff`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BLOCK_PREFIXES = ("blocks",)
+TARGETS = ("to_q", "ff")
+DIM = 8
+
+
+class TinyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_q = nn.Linear(DIM, DIM)
+        self.ff = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(torch.tanh(self.to_q(x)))
+
+
+class TinyFlowTransformer(nn.Module):
+    """(B, L, 4) -> (B, L, 4)."""
+
+    def __init__(self, num_blocks: int = 3) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(4, DIM)
+        self.blocks = nn.ModuleList([TinyBlock() for _ in range(num_blocks)])
+        self.proj_out = nn.Linear(DIM, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj_in(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.proj_out(h)

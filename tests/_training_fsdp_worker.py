@@ -1,0 +1,168 @@
+"""torchrun worker for tests/test_training.py::test_fsdp2_lora_two_ranks (not collected by pytest).
+
+Runs on CPU/gloo under `torchrun --nproc_per_node=2`: LoRA ("default" + "old") + activation checkpointing + FSDP2
+on a tiny model, two optimizer steps on per-rank data shards, metric reduction, the old-adapter copy, an atomic
+checkpoint save and an exact load into a freshly built model. Rank 0 also trains an unsharded single-process
+reference on the full batch (the mean of the per-rank losses = the full-batch loss, so gradients must agree).
+Each rank writes its observations to <out>/rank<r>.json for the test to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+torch.set_num_threads(1)
+
+import training as T  # noqa: E402
+from models import lora  # noqa: E402
+from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
+
+
+def build(lora_seed: int, sharded: bool, device: str = "cpu"):
+    torch.manual_seed(0)  # the base weights are the same pretrained checkpoint in every build
+    model = TinyFlowTransformer()
+    if device == "cuda":  # GPU check: bf16 base weights on the GPU, fp32 LoRA, bf16 compute via FSDP2's policy
+        model.to(device=torch.cuda.current_device(), dtype=torch.bfloat16)
+    torch.manual_seed(lora_seed)
+    lora_cfg = T.add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0,
+                                   adapter_names=("default", "old"), block_prefixes=BLOCK_PREFIXES)
+    with torch.no_grad():  # non-zero B so the LoRA path matters (zero-initialised B hides bugs)
+        for _, p in T.adapter_params(model, "default") + T.adapter_params(model, "old"):
+            p.normal_(0, 0.2)
+    if sharded:
+        T.apply_activation_checkpointing(model, BLOCK_PREFIXES)
+        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=T.mixed_precision_policy(torch.device(device), "bf16"))
+    return model, lora_cfg
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"  # "cuda": a manual GPU check (NCCL, bf16, fused AdamW)
+    info = T.init_distributed(device)
+    assert info.backend == ("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo") and info.world_size == 2
+    T.seed_everything(0, per_rank=False)
+    data = torch.randn(16, 6, 4).to(info.device)  # 16 "prompts", identical on both ranks
+    model, lora_cfg = build(1, sharded=True, device=device)
+    from torch.distributed.tensor import DTensor
+
+    n_dtensor = sum(isinstance(p, DTensor) for p in model.parameters())
+    opt = T.build_optimizer(model, lr=1e-2, weight_decay=0.01)
+    stepper = T.GradStepper(max_grad_norm=0.05)
+    sampler = T.PromptSampler(16, 4, seed=7, rank=info.rank, world_size=info.world_size)
+    lora.copy_adapter_(model, "default", "old")  # old <- default at start
+    acc = T.MetricAccumulator()
+    steps = []
+    batches = []
+    for _ in range(2):
+        batch = sampler.next_batch()
+        batches.append(batch.indices)
+        x = data[batch.local]
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        acc.add({"actor/loss": loss.detach(), "actor/rank": float(info.rank)})
+        m = stepper.step(opt)
+        m.update(acc.reduce())
+        steps.append(m)
+    refresh = T.old_policy_refresh(model, 2, interval=2, schedule="copy")
+    default_full = T.adapter_state_dict(model, "default")
+    old_full = T.adapter_state_dict(model, "old")
+    ckpt_root = os.path.join(out_dir, "ckpt")
+    config = {"lr": 1e-2, "seed": 0}
+    path = T.save_checkpoint(ckpt_root, 2, transformer=model, optimizer=opt, lora_config=lora_cfg, config=config,
+                             sampler=sampler, adapter_names=("default", "old"),
+                             trainer_state={"stepper": stepper.state_dict()})
+    # next step of the uninterrupted run
+    batch = sampler.next_batch()
+    noise = torch.randn(()).to(info.device) + torch.randn((), device=info.device)  # CPU and device RNG draws
+    loss3 = model(data[batch.local] + noise).pow(2).mean()
+    loss3.backward()
+    stepper.step(opt)
+    after3 = T.adapter_state_dict(model, "default")
+
+    # resume into a freshly built model (different LoRA init) + fresh optimizer / sampler
+    model2, _ = build(123, sharded=True, device=device)
+    opt2 = T.build_optimizer(model2, lr=1e-2, weight_decay=0.01)
+    stepper2 = T.GradStepper(max_grad_norm=0.05)
+    sampler2 = T.PromptSampler(16, 4, seed=7, rank=info.rank, world_size=info.world_size)
+    torch.manual_seed(999)
+    state = T.load_checkpoint(T.find_latest(ckpt_root), transformer=model2, optimizer=opt2, config=config,
+                              sampler=sampler2, adapter_names=("default", "old"))
+    stepper2.load_state_dict(state["trainer_state"]["stepper"])
+    old_loaded = T.adapter_state_dict(model2, "old")
+    batch2 = sampler2.next_batch()
+    noise2 = torch.randn(()).to(info.device) + torch.randn((), device=info.device)
+    loss3b = model2(data[batch2.local] + noise2).pow(2).mean()
+    loss3b.backward()
+    stepper2.step(opt2)
+    after3b = T.adapter_state_dict(model2, "default")
+
+    bad = T.MetricAccumulator()
+    bad.add({"actor/a" if info.rank == 0 else "actor/b": 1.0})
+    try:
+        bad.reduce()
+        key_mismatch = "no error"
+    except RuntimeError as e:
+        key_mismatch = str(e)
+    gathered = T.all_gather_cat(torch.full((2,), float(info.rank), device=info.device))
+    # a save that fails on rank 0 only must raise on every rank (not leave rank 1 hanging in a collective)
+    real_writer = T.save_adapter_dir
+    if info.rank == 0:
+        def failing_writer(*a, **k):
+            raise OSError("disk full (simulated on rank 0)")
+        T.save_adapter_dir = failing_writer
+    try:
+        T.save_checkpoint(ckpt_root, 9, transformer=model2, optimizer=opt2, lora_config=lora_cfg, config=config,
+                          sampler=sampler2, adapter_names=("default", "old"))
+        failed_save = "no error"
+    except Exception as e:  # noqa: BLE001
+        failed_save = f"{type(e).__name__}: {e}"
+    T.save_adapter_dir = real_writer
+
+    result = {
+        "rank": info.rank,
+        "gathered": gathered.tolist(),
+        "key_mismatch": key_mismatch,
+        "failed_save": failed_save,
+        "step9_exists": os.path.exists(os.path.join(ckpt_root, "step_00000009")),
+        "n_dtensor": n_dtensor,
+        "steps": steps,
+        "batches": batches,
+        "local_first": sampler.state_dict(),
+        "refresh": refresh,
+        "old_equals_default": all(torch.equal(default_full[k], old_full[k]) for k in default_full),
+        "old_restored": all(torch.equal(old_full[k], old_loaded[k]) for k in old_full),
+        "default_sum": float(sum(v.double().sum() for v in default_full.values())),
+        "resume_loss_equal": bool(torch.equal(loss3.detach(), loss3b.detach())),
+        "resume_params_equal": all(torch.equal(after3[k], after3b[k]) for k in after3),
+        "resume_step": state["step"],
+        "ckpt_path": path,
+        "fused": bool(opt.defaults["fused"]),
+        "versions": T.library_versions(),
+    }
+    if info.rank == 0 and device == "cpu":  # unsharded reference on the full global batch
+        ref, _ = build(1, sharded=False)
+        ref_opt = T.build_optimizer(ref, lr=1e-2, weight_decay=0.01)
+        ref_stepper = T.GradStepper(max_grad_norm=0.05)
+        ref_norms, ref_losses = [], []
+        for idx in batches:
+            loss = ref(data[idx]).pow(2).mean()
+            loss.backward()
+            ref_losses.append(float(loss))
+            ref_norms.append(ref_stepper.step(ref_opt)["actor/grad_norm"])
+        ref_full = T.adapter_state_dict(ref, "default")
+        result["ref_norms"] = ref_norms
+        result["ref_losses"] = ref_losses
+        result["ref_max_param_diff"] = max(float((ref_full[k] - default_full[k]).abs().max()) for k in ref_full)
+    with open(os.path.join(out_dir, f"rank{info.rank}.json"), "w") as f:
+        json.dump(result, f)
+    T.cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""models/__init__.py and models/base.py: family dispatch, clear load errors, shared helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from models import load_model, model_family
+from models.base import FlowModel, PromptEmbeds, per_row_noise, to_uint8
+
+
+def test_family_from_model_index(tiny_models, tmp_path):
+    assert model_family(os.path.join(tiny_models, "qwen_image")) == "qwen_image"
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "BooguImagePipeline"}))
+    assert model_family(str(tmp_path)) == "boogu_image"
+
+
+def test_unknown_class_name_raises(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    with pytest.raises(ValueError, match="StableDiffusion3Pipeline"):
+        load_model(str(tmp_path))
+
+
+def test_missing_and_corrupt_model_index_raise(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        load_model(str(tmp_path))
+    (tmp_path / "model_index.json").write_text('{"_class_name": "QwenImagePipeline", ')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_qwen_dir_missing_component_raises(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    with pytest.raises(FileNotFoundError, match="transformer/"):
+        load_model(str(tmp_path))
+
+
+class _Fake(FlowModel):
+    family = "fake"
+    max_side = 2048
+
+
+@pytest.mark.parametrize("h,w", [(512, 520), (500, 512), (0, 512), (512, -16), (2064, 512), (512.0, 512)])
+def test_validate_size_raises(h, w):
+    with pytest.raises(ValueError):
+        _Fake().validate_size(h, w)
+
+
+def test_validate_size_message_names_fix():
+    with pytest.raises(ValueError, match="use 512 or 528"):
+        _Fake().validate_size(520, 512)
+    _Fake().validate_size(2048, 16)
+
+
+def test_per_row_noise_independent_of_batch():
+    both = per_row_noise((2, 3), [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)], "cpu")
+    alone = per_row_noise((2, 3), [torch.Generator().manual_seed(2)], "cpu")
+    assert both.shape == (2, 2, 3) and both.dtype == torch.float32
+    assert torch.equal(both[1], alone[0]) and not torch.equal(both[0], both[1])
+
+
+def test_to_uint8_matches_diffusers_postprocess():
+    from diffusers.image_processor import VaeImageProcessor
+
+    x = torch.linspace(-1.2, 1.2, 2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
+    ours = to_uint8(x)
+    ref = VaeImageProcessor().postprocess(x, output_type="np")  # (B, H, W, 3) float in [0, 1]
+    ref_u8 = torch.from_numpy((ref * 255).round().astype("uint8")).permute(0, 3, 1, 2)
+    assert ours.dtype == torch.uint8 and torch.equal(ours, ref_u8)
+
+
+def test_prompt_embeds_cat_and_index():
+    a = PromptEmbeds(torch.ones(1, 2, 4), torch.ones(1, 2))
+    b = PromptEmbeds(torch.ones(2, 3, 4) * 2, torch.ones(2, 3, dtype=torch.int64))
+    c = PromptEmbeds.cat([a, b])
+    assert c.embeds.shape == (3, 3, 4) and c.mask.tolist()[0] == [1, 1, 0] and float(c.embeds[0, 2].abs().sum()) == 0
+    assert c.index([2, 0]).embeds[1, 0, 0] == 1

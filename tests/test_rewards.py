@@ -1,0 +1,522 @@
+"""rewards.py: OCR score, the three OCR readers, PickScore (open_clip vs transformers), JPEG, multi-reward, inputs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+import rewards as R
+
+
+def to_tensor(img: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1).contiguous()
+
+
+def text_image(text: str, size=(320, 128), font_size=36) -> torch.Tensor:
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((16, size[1] // 2 - font_size // 2), text, fill="black", font=ImageFont.load_default(size=font_size))
+    return to_tensor(img)
+
+
+def noise_image(seed=0, size=(3, 128, 128)) -> torch.Tensor:
+    return torch.randint(0, 256, size, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# OCR score (spec §1.1)
+# ------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transcription,target,expected", [
+    ("Grand Opening", "Grand Opening", 1.0),
+    ("The sign reads: GRAND OPENING today!", "Grand Opening", 1.0),      # substring (after normalisation) = full
+    ("grand\n\topening", "Grand Opening", 1.0),                           # every whitespace removed, lowercase
+    ("Grand Openin", "Grand Opening", 1 - 1 / 12),                        # 1 edit over 12 non-space chars
+    ("Hallo", "Hello", 0.8),
+    ("hello", "hello!", 1 - 1 / 6),                                       # punctuation kept
+    ("completely different and much longer text", "abc", 0.0),           # distance capped at len(target)
+    ("", "abc", 0.0),
+    ("", "", 1.0),                                                        # empty target: only empty matches
+    ("   \n", "", 1.0),
+    ("x", "", 0.0),
+])
+def test_ocr_score_cases(transcription, target, expected):
+    assert R.ocr_score(transcription, target) == pytest.approx(expected)
+
+
+def test_ocr_score_is_levenshtein_on_normalised_strings():
+    import Levenshtein
+    t, g = "Sprng Colection 2O24", "Spring Collection 2024"
+    d = Levenshtein.distance("sprngcolection2o24", "springcollection2024")
+    assert d == 3
+    assert R.ocr_score(t, g) == pytest.approx(1 - d / len("springcollection2024"))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# RapidOCR backend
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_rapidocr_reads_rendered_text_and_not_noise():
+    scorer = R.RewardScorer(R.RewardConfig(ocr_backend="rapidocr"))
+    two_lines = Image.new("RGB", (256, 160), "white")
+    draw = ImageDraw.Draw(two_lines)
+    draw.text((20, 20), "GRAND", fill="black", font=ImageFont.load_default(size=40))
+    draw.text((20, 90), "OPENING", fill="black", font=ImageFont.load_default(size=40))
+    images = [text_image("Hello World 42"), noise_image(), to_tensor(two_lines)]
+    t0 = time.time()
+    res = scorer.score_batch(images, ["Hello World 42", "Hello World 42", "Grand Opening"], ["ocr"] * 3)
+    elapsed = time.time() - t0
+    assert res.rewards[0].item() == 1.0, res.texts
+    assert res.rewards[1].item() < 0.2, res.texts
+    assert res.rewards.dtype == torch.float32 and res.rewards.shape == (3,)
+    assert res.texts["ocr/response"][0].replace(" ", "").lower() == "helloworld42"
+    # Lines are concatenated in reading order with no separator (flow_grpo), so a two-line target still matches.
+    assert res.texts["ocr/response"][2] == "GRANDOPENING" and res.rewards[2].item() == 1.0
+    print(f"RapidOCR: {elapsed / 3:.2f}s per image (incl. first-call warm-up)")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GenRM over HTTP: a local OpenAI-compatible test server on loopback
+# ------------------------------------------------------------------------------------------------------------------
+
+class FakeJudge:
+    """Scripted chat-completions server. `behaviours` is consumed one per request (last one repeats):
+    "ok" -> reply with `reply`, an int -> that HTTP status, "sleep" -> stall for `stall_s`, "garbage" -> non-JSON."""
+
+    def __init__(self, behaviours=("ok",), reply="Grand Opening", stall_s=2.0, delay_s=0.0):
+        self.behaviours = list(behaviours)
+        self.reply, self.stall_s, self.delay_s = reply, stall_s, delay_s
+        self.requests: list[dict] = []
+        self.paths: list[str] = []
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with judge.lock:
+                    k = len(judge.requests)
+                    judge.requests.append(body)
+                    judge.paths.append(self.path)
+                    judge.in_flight += 1
+                    judge.max_in_flight = max(judge.max_in_flight, judge.in_flight)
+                    behaviour = judge.behaviours[min(k, len(judge.behaviours) - 1)]
+                try:
+                    time.sleep(judge.delay_s)
+                    if behaviour == "sleep":
+                        time.sleep(judge.stall_s)
+                        behaviour = "ok"
+                    if isinstance(behaviour, int):
+                        payload, status = b'{"error": "scripted failure"}', behaviour
+                    elif behaviour == "garbage":
+                        payload, status = b"<html>not json</html>", 200
+                    else:
+                        payload = json.dumps({"choices": [{"index": 0, "message": {
+                            "role": "assistant", "content": judge.reply}}]}).encode()
+                        status = 200
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                finally:
+                    with judge.lock:
+                        judge.in_flight -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def http_scorer(url, **kw) -> R.RewardScorer:
+    cfg = dict(ocr_backend="http", genrm_url=url, genrm_timeout_s=10.0, genrm_max_retries=2, genrm_backoff_s=0.01,
+               genrm_concurrency=4, sampling=R.SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=64, seed=7))
+    cfg.update(kw)
+    return R.RewardScorer(R.RewardConfig(**cfg))
+
+
+def test_genrm_http_request_shape_and_score():
+    image = noise_image(1, (3, 32, 48))
+    with FakeJudge(reply="The text says: grand  OPENING") as judge:
+        res = http_scorer(judge.url).score_batch([image], ["Grand Opening"], ["ocr"])
+    assert res.rewards.tolist() == [1.0]
+    assert res.texts["ocr/response"] == ["The text says: grand  OPENING"]  # verbatim
+    assert judge.paths == ["/v1/chat/completions"]
+    body = judge.requests[0]
+    assert body["model"] == "Qwen/Qwen3-VL-8B-Instruct"
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.0, 1.0, 64, 7)
+    system, user = body["messages"]
+    assert system == {"role": "system", "content": "You are a helpful assistant."}
+    assert user["role"] == "user"
+    image_part, text_part = user["content"]
+    assert text_part == {"type": "text", "text": "Please output only the text content from the image without any "
+                                                 "additional descriptions or formatting."}
+    url = image_part["image_url"]["url"]
+    assert image_part["type"] == "image_url" and url.startswith("data:image/png;base64,")
+    png = base64.b64decode(url.split(",", 1)[1])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    decoded = to_tensor(Image.open(io.BytesIO(png)))
+    assert torch.equal(decoded, image)  # lossless, same pixels, CHW order restored
+
+
+def test_genrm_http_partial_match_and_order_under_concurrency():
+    with FakeJudge(reply="Grand Openin", delay_s=0.05) as judge:
+        scorer = http_scorer(judge.url, genrm_concurrency=2)
+        res = scorer.score_batch([noise_image(i, (3, 16, 16)) for i in range(6)],
+                                 ["Grand Opening", "zzz", "Grand Opening", "Grand Openin", "g", "Grand Opening"],
+                                 ["ocr"] * 6)
+    assert res.rewards.tolist() == pytest.approx([1 - 1 / 12, 0.0, 1 - 1 / 12, 1.0, 1.0, 1 - 1 / 12])
+    assert judge.max_in_flight == 2  # bounded, and actually concurrent
+
+
+def test_genrm_http_retries_then_succeeds():
+    with FakeJudge(behaviours=[503, 429, "ok"]) as judge:
+        res = http_scorer(judge.url).score_batch([noise_image()], ["Grand Opening"], ["ocr"])
+    assert res.rewards.tolist() == [1.0]
+    assert len(judge.requests) == 3
+
+
+def test_genrm_http_timeout_is_retried_then_errors():
+    with FakeJudge(behaviours=["sleep"], stall_s=4.0) as judge:
+        scorer = http_scorer(judge.url, genrm_timeout_s=0.5, genrm_max_retries=1)
+        t0 = time.time()
+        with pytest.raises(R.GenRMServerError, match=r"failed 2 attempt\(s\).*timeout 0.5s"):
+            scorer.score_batch([noise_image()], ["Grand Opening"], ["ocr"])
+        assert time.time() - t0 < 3.0  # gave up on the timeouts, did not wait for the stalled reply
+    assert len(judge.requests) == 2
+
+
+def test_genrm_http_timeout_then_recovery():
+    with FakeJudge(behaviours=["sleep", "ok"], stall_s=3.0) as judge:
+        res = http_scorer(judge.url, genrm_timeout_s=1.0).score_batch([noise_image()], ["Grand Opening"], ["ocr"])
+    assert res.rewards.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("behaviour", [500, "garbage"])
+def test_genrm_http_final_error_never_zero(behaviour):
+    with FakeJudge(behaviours=[behaviour]) as judge:
+        scorer = http_scorer(judge.url, genrm_max_retries=2)
+        with pytest.raises(R.GenRMServerError) as info:
+            scorer.score_batch([noise_image(), noise_image(1)], ["a", "b"], ["ocr", "ocr"])
+    assert "2 of 2 GenRM requests failed" in str(info.value)
+    assert judge.url in str(info.value) and "3 attempt(s)" in str(info.value)
+    assert len(judge.requests) == 6  # two images, 1 try + 2 retries each
+
+
+def test_genrm_http_client_error_not_retried():
+    with FakeJudge(behaviours=[400]) as judge:
+        with pytest.raises(R.GenRMServerError, match="not retried"):
+            http_scorer(judge.url).score_batch([noise_image()], ["a"], ["ocr"])
+    assert len(judge.requests) == 1
+
+
+def test_genrm_http_unreachable_server_errors():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed right after: nothing listens there
+    scorer = http_scorer(f"127.0.0.1:{port}", genrm_max_retries=1)
+    with pytest.raises(R.GenRMServerError, match="failed 2 attempt"):
+        scorer.score_batch([noise_image()], ["a"], ["ocr"])
+
+
+@pytest.mark.parametrize("url,expected", [
+    ("127.0.0.1:8000", "http://127.0.0.1:8000/v1/chat/completions"),
+    ("http://h:1/", "http://h:1/v1/chat/completions"),
+    ("http://h:1/v1", "http://h:1/v1/chat/completions"),
+    ("https://h/v1/chat/completions", "https://h/v1/chat/completions"),
+])
+def test_chat_completions_url(url, expected):
+    assert R.chat_completions_url(url) == expected
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GenRM in-process (transformers) on the tiny Qwen3-VL
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_genrm_local_backend_tiny_qwen3_vl(tiny_models):
+    path = f"{tiny_models}/qwen3_vl_genrm"
+    scorer = R.RewardScorer(R.RewardConfig(ocr_backend="local", genrm_model_path=path, genrm_device="cpu",
+                                           genrm_batch_size=3, sampling=R.SamplingConfig(max_tokens=6)))
+    images = [noise_image(0, (3, 64, 64)), noise_image(1, (3, 64, 96)), noise_image(2, (3, 64, 64))]
+    gts = ["Grand Opening", "a", "xyz"]
+    res = scorer.score_batch(images, gts, ["ocr"] * 3)
+    replies = res.texts["ocr/response"]
+    assert all(isinstance(r, str) for r in replies)
+    assert res.rewards.tolist() == pytest.approx([R.ocr_score(r, g) for r, g in zip(replies, gts)])
+    # Left-padded batched greedy decoding equals one-at-a-time decoding.
+    reader = scorer.ocr_reader()
+    assert reader.transcribe([R.to_pil(images[1])]) == [replies[1]]
+    # The prompt the model sees: system message, then the image, then the transcription instruction.
+    ids = reader.processor.apply_chat_template([reader.messages(R.to_pil(images[0]))], tokenize=True,
+                                               add_generation_prompt=True)
+    text = reader.processor.tokenizer.decode(ids[0] if isinstance(ids[0], list) else ids)
+    assert "<|im_start|>system\nYou are a helpful assistant.<|im_end|>" in text
+    assert text.index("<|image_pad|>") < text.index(R.GENRM_OCR_PROMPT)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PickScore
+# ------------------------------------------------------------------------------------------------------------------
+
+PICKSCORE_V1_HF_CONFIG = {  # the architecture fields of yuvalkirstain/PickScore_v1's config.json (ViT-H/14)
+    "projection_dim": 1024,
+    "text_config": {"vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+                    "num_hidden_layers": 24, "max_position_embeddings": 77, "hidden_act": "gelu",
+                    "layer_norm_eps": 1e-5, "eos_token_id": 2},
+    "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 16,
+                      "num_hidden_layers": 32, "image_size": 224, "patch_size": 14, "hidden_act": "gelu",
+                      "layer_norm_eps": 1e-5},
+}
+
+
+def test_open_clip_config_of_pickscore_v1_is_vit_h_14():
+    import open_clip
+    assert R.open_clip_config_from_hf(PICKSCORE_V1_HF_CONFIG) == open_clip.get_model_config("ViT-H-14")
+
+
+@pytest.fixture(scope="module")
+def pickscore(tiny_models, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("open_clip_cache")
+    return R.PickScore(f"{tiny_models}/pickscore", device="cpu", cache_dir=cache, batch_size=2), cache
+
+
+def test_pickscore_open_clip_matches_transformers(pickscore, tiny_models):
+    from transformers import AutoProcessor, CLIPModel
+    ps, _ = pickscore
+    images = [noise_image(0, (3, 96, 128)), noise_image(1, (3, 80, 64)), noise_image(2, (3, 64, 64))]
+    prompts = ['a wooden sign that reads "Fresh Bread"', "a blue circle", 'a wooden sign that reads "Fresh Bread"']
+    scores, raw = ps(images, prompts)
+    hf = CLIPModel.from_pretrained(f"{tiny_models}/pickscore").eval()
+    proc = AutoProcessor.from_pretrained(f"{tiny_models}/pickscore")
+    inputs = proc(text=prompts, images=[R.to_pil(i) for i in images], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = hf(**inputs)
+        img = torch.nn.functional.normalize(out.image_embeds, dim=-1)
+        txt = torch.nn.functional.normalize(out.text_embeds, dim=-1)
+        ref_raw = hf.logit_scale.exp() * (img * txt).sum(-1)
+    assert torch.allclose(raw, out.logits_per_image.diag(), atol=1e-4)
+    assert torch.allclose(raw, ref_raw, atol=1e-4)
+    assert torch.allclose(scores, ref_raw / 26.0, atol=1e-5)
+    assert hf.logit_scale.exp().item() == pytest.approx(math.exp(4.0))  # the /26 is not a no-op here
+    assert raw.abs().max() > 0.5  # non-trivial similarities, so the comparison can fail
+
+
+def test_pickscore_text_encoded_once_per_unique_prompt(pickscore):
+    ps, _ = pickscore
+    seen: list[list[str]] = []
+    orig = ps.encode_text
+
+    def counting(prompts):
+        seen.append(list(prompts))
+        return orig(prompts)
+
+    ps.encode_text = counting
+    try:
+        prompts = ["b", "a", "b", "c", "a"]
+        scores, _ = ps([noise_image(i, (3, 64, 64)) for i in range(5)], prompts)
+    finally:
+        del ps.encode_text
+    assert sorted(p for chunk in seen for p in chunk) == ["a", "b", "c"]
+    alone, _ = ps([noise_image(3, (3, 64, 64))], ["c"])
+    assert scores[3].item() == pytest.approx(alone.item(), abs=1e-5)  # gathered back to the right sample
+
+
+def test_pickscore_conversion_is_cached(pickscore, tiny_models, monkeypatch):
+    _, cache = pickscore
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert {"open_clip_config.json", "open_clip_model.safetensors"} <= {p.name for p in folder.iterdir()}
+
+    def boom(*a, **k):
+        raise AssertionError("conversion re-run despite a cached copy")
+
+    monkeypatch.setattr(R, "convert_hf_clip_state_dict", boom)
+    assert R.convert_clip_checkpoint(f"{tiny_models}/pickscore", cache) == folder
+
+
+def test_pickscore_conversion_rejects_unmapped_tensors(tiny_models):
+    from safetensors.torch import load_file
+    cfg = R.open_clip_config_from_hf(json.load(open(f"{tiny_models}/pickscore/config.json")))
+    sd = load_file(f"{tiny_models}/pickscore/model.safetensors")
+    sd["vision_model.extra.weight"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="does not map"):
+        R.convert_hf_clip_state_dict(sd, cfg)
+    sd.pop("vision_model.extra.weight")
+    sd.pop("text_model.final_layer_norm.bias")
+    with pytest.raises(KeyError, match="final_layer_norm.bias"):
+        R.convert_hf_clip_state_dict(sd, cfg)
+
+
+def test_pickscore_through_scorer(tiny_models, tmp_path):
+    scorer = R.RewardScorer(R.RewardConfig(pickscore_path=f"{tiny_models}/pickscore", pickscore_device="cpu",
+                                           pickscore_cache_dir=str(tmp_path)))
+    images = [noise_image(0, (3, 64, 64)), noise_image(1, (3, 64, 64))]
+    res = scorer.score_batch(images, ['Change the text to "OPEN"', "a cat"], ["pickscore", "pickscore"])
+    assert torch.allclose(res.rewards, res.extras["pickscore/raw"] / 26.0)
+    assert torch.equal(res.rewards, res.extras["reward/pickscore"])
+
+
+def test_pickscore_needs_a_path():
+    with pytest.raises(ValueError, match="--pickscore_path"):
+        R.RewardScorer().score_batch([noise_image()], ["a cat"], ["pickscore"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# JPEG (DDPO)
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_jpeg_rewards_ddpo_definition():
+    flat = torch.full((3, 128, 128), 128, dtype=torch.uint8)
+    noisy = noise_image(0)
+    scorer = R.RewardScorer()
+    inc = scorer.score_batch([flat, noisy], ["", ""], ["jpeg_incompressibility"] * 2).rewards
+    comp = scorer.score_batch([flat, noisy], ["", ""], ["jpeg_compressibility"] * 2).rewards
+    buf = io.BytesIO()
+    R.to_pil(noisy).save(buf, format="JPEG", quality=95)
+    assert inc[1].item() == pytest.approx(len(buf.getvalue()) / 1000)  # kB of 1000 bytes, quality 95
+    assert torch.equal(comp, -inc)
+    assert inc[0] < 5 < inc[1]  # a flat image compresses far better than noise
+    assert comp[0] > comp[1]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Mixed batches, multi-reward, inputs
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_mixed_data_sources_pick_their_own_reward():
+    with FakeJudge(reply="OPEN") as judge:
+        res = http_scorer(judge.url).score_batch(
+            [noise_image(0), noise_image(1), noise_image(2)], ["OPEN", "", "OPEX"],
+            ["ocr", "jpeg_incompressibility", "ocr"])
+    assert len(judge.requests) == 2  # only the ocr rows went to the judge
+    jpeg = R.jpeg_incompressibility([R.to_pil(noise_image(1))]).item()
+    assert res.rewards.tolist() == pytest.approx([1.0, jpeg, 0.75])
+    assert math.isnan(res.extras["reward/ocr"][1]) and math.isnan(res.extras["reward/jpeg_incompressibility"][0])
+    assert res.texts["ocr/response"] == ["OPEN", None, "OPEN"]
+
+
+def test_multi_reward_weighted_sum_and_logging():
+    weights = {"ocr": 2.0, "jpeg_compressibility": 0.01}
+    images = [noise_image(0), torch.full((3, 64, 64), 200, dtype=torch.uint8)]
+    with FakeJudge(reply="OPEN") as judge:
+        res = http_scorer(judge.url, reward_weights=weights).score_batch(
+            images, ['Change the text to "OPEN"', "OPEX"], ["pickscore", "ocr"],
+            [{"target_text": "OPEN", "instruction": 'Change the text to "OPEN"'}, {}])
+    ocr = torch.tensor([1.0, 0.75])
+    jpeg = R.jpeg_compressibility([R.to_pil(i) for i in images])
+    assert torch.allclose(res.extras["reward/ocr"], ocr)
+    assert torch.allclose(res.extras["reward/jpeg_compressibility"], jpeg)
+    assert torch.allclose(res.rewards, 2.0 * ocr + 0.01 * jpeg)
+    assert torch.equal(res.extras["reward/combined"], res.rewards)
+
+
+def test_multi_reward_missing_ground_truth_raises():
+    scorer = http_scorer("http://127.0.0.1:9", reward_weights={"ocr": 1.0})
+    with pytest.raises(ValueError, match=r"extra_info\['target_text'\]"):
+        scorer.score_batch([noise_image()], ["a cat"], ["pickscore"], [{}])
+
+
+def test_multi_reward_failing_reward_raises():
+    with FakeJudge(behaviours=[503]) as judge:
+        scorer = http_scorer(judge.url, genrm_max_retries=0,
+                             reward_weights={"ocr": 1.0, "jpeg_incompressibility": 1.0})
+        with pytest.raises(R.GenRMServerError):
+            scorer.score_batch([noise_image()], ["OPEN"], ["ocr"])
+
+
+def test_parse_reward_weights_and_args():
+    import argparse
+    assert R.parse_reward_weights("pickscore=1.0, jpeg_compressibility=0.1") == {
+        "pickscore": 1.0, "jpeg_compressibility": 0.1}
+    with pytest.raises(ValueError, match="NAME=WEIGHT"):
+        R.parse_reward_weights("pickscore")
+    with pytest.raises(ValueError, match="unknown reward"):
+        R.RewardConfig(reward_weights={"aesthetic": 1.0})
+    p = argparse.ArgumentParser()
+    R.add_reward_args(p)
+    cfg = R.RewardConfig.from_args(p.parse_args(["--ocr_backend", "rapidocr", "--genrm_temperature", "0.7",
+                                                 "--reward_weights", "ocr=1,pickscore=0.5"]))
+    assert cfg.ocr_backend == "rapidocr" and cfg.sampling.temperature == 0.7
+    assert cfg.reward_weights == {"ocr": 1.0, "pickscore": 0.5}
+    assert R.RewardConfig().sampling.temperature == 0.0  # evaluation default: greedy judge
+
+
+@pytest.mark.parametrize("image,match", [
+    (torch.rand(3, 32, 32), r"float32.*uint8 tensor of shape \(3, H, W\).*\* 255"),
+    (torch.zeros(32, 32, 3, dtype=torch.uint8), r"shape \(32, 32, 3\)"),
+    (torch.zeros(1, 32, 32, dtype=torch.uint8), r"shape \(1, 32, 32\)"),
+    (np.zeros((3, 8, 8), dtype=np.uint8), "ndarray"),
+])
+def test_bad_pixels_raise(image, match):
+    with pytest.raises(ValueError, match=match):
+        R.RewardScorer().score_batch([image], [""], ["jpeg_compressibility"])
+
+
+def test_batched_tensor_and_bad_batches_raise():
+    scorer = R.RewardScorer()
+    batch = torch.stack([noise_image(0, (3, 16, 16)), noise_image(1, (3, 16, 16))])
+    as_batch = scorer.score_batch(batch, ["", ""], ["jpeg_compressibility"] * 2).rewards  # rollout's (B, 3, H, W)
+    assert torch.equal(as_batch, scorer.score_batch(list(batch), ["", ""], ["jpeg_compressibility"] * 2).rewards)
+    with pytest.raises(ValueError, match=r"float32.*uint8"):
+        scorer.score_batch(batch.float() / 255, ["", ""], ["jpeg_compressibility"] * 2)
+    with pytest.raises(ValueError, match=r"must be \(B, 3, H, W\)"):
+        scorer.score_batch(noise_image(), [""], ["jpeg_compressibility"])
+    with pytest.raises(ValueError, match="batch fields disagree"):
+        scorer.score_batch([noise_image()], ["", ""], ["jpeg_compressibility"])
+    with pytest.raises(ValueError, match="set_data_source.py"):
+        scorer.score_batch([noise_image()], ["OPEN"], ["flow_grpo/ocr"])
+    with pytest.raises(ValueError, match="ground_truth must be a str"):
+        scorer.score_batch([noise_image()], [None], ["jpeg_compressibility"])
+
+
+def _score_in_child(config_bytes, images, queue):
+    import pickle
+    scorer = R.RewardScorer(pickle.loads(config_bytes))
+    rewards = scorer.score_batch(images, ["", ""], ["jpeg_incompressibility", "jpeg_compressibility"]).rewards
+    queue.put(rewards.tolist())  # plain floats: a shared-memory tensor would die with the child
+
+
+def test_scorer_builds_from_a_pickled_config_in_another_process():
+    import multiprocessing as mp
+    import pickle
+    config = R.RewardConfig(ocr_backend="rapidocr", reward_weights=None)
+    scorer = R.RewardScorer(config)
+    assert scorer._ocr_reader is None and scorer._pickscore is None  # nothing loaded until first use
+    images = [noise_image(0, (3, 32, 32)), noise_image(1, (3, 32, 32))]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_score_in_child, args=(pickle.dumps(config), images, queue))
+    child.start()
+    rewards = queue.get(timeout=60)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert rewards == pytest.approx(scorer.score_batch(images, ["", ""], ["jpeg_incompressibility",
+                                                                       "jpeg_compressibility"]).rewards.tolist())
+

@@ -1,0 +1,282 @@
+"""The rollout contract through the real worker subprocess group on CPU, step-0 conformance with the trainer-side
+replay, seeding, LoRA delivery and failure handling."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import losses
+import rollout
+from models import load_model
+from models.base import PromptEmbeds
+from rollout import RolloutError, RolloutGroup, RolloutRequest, RolloutResult
+
+SIZE = 64
+OCR_PROMPTS = ['A storefront sign that reads "OPEN"', 'A chalkboard menu that says "Soup of the day"']
+
+
+def request_for(family: str, n_per_prompt: int = 2, **overrides) -> RolloutRequest:
+    prompts = [p for p in OCR_PROMPTS for _ in range(n_per_prompt)]
+    base = dict(prompts=prompts, seeds=[rollout.row_seed(7, 1, i) for i in range(len(prompts))],
+                num_inference_steps=4, height=SIZE, width=SIZE, noise_level=1.0, sde_window_size=2,
+                sde_window_range=(0, 3), return_log_probs=True, return_trajectory=True)
+    if family == "qwen_image":
+        base.update(negative_prompts=[" "] * len(prompts), true_cfg_scale=4.0)
+    else:
+        base.update(negative_prompts=[""] * len(prompts), guidance_scale=4.0)
+    base.update(overrides)
+    return RolloutRequest(**base)
+
+
+def edit_request(**overrides) -> RolloutRequest:
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, SIZE, SIZE), generator=g, dtype=torch.uint8) for _ in range(2)]
+    base = dict(prompts=['Change the text to "SALE"'] * 2 + ['Change the text to "CLOSED"'] * 2,
+                images=[images[0], images[0], images[1], images[1]], negative_prompts=[""] * 4,
+                seeds=[11, 12, 13, 14], num_inference_steps=4, height=SIZE, width=SIZE, guidance_scale=4.0,
+                noise_level=1.0, sde_window_size=2, sde_window_range=(0, 3), return_log_probs=True,
+                return_trajectory=True)
+    base.update(overrides)
+    return RolloutRequest(**base)
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_models):
+    """One CPU group per tiny family (two workers for Boogu T2I, to exercise the split), shared by the module."""
+    made = {}
+    try:
+        for name, workers in (("qwen_image", 1), ("boogu_image_base", 2), ("boogu_image_edit", 1)):
+            made[name] = RolloutGroup(os.path.join(tiny_models, name), ["cpu"] * workers, threads_per_worker=1,
+                                      timeout_s=300, startup_timeout_s=300)
+        yield made
+    finally:
+        for group in made.values():
+            group.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pure helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_row_seed_follows_the_spec_formula():
+    assert rollout.row_seed(42, 1, 0) == 42 * 1_000_003
+    assert rollout.row_seed(42, 3, 5) == (44 * 1_000_003 + 5)
+    assert rollout.row_seed(2**62, 1, 1) == (2**62 * 1_000_003 + 1) % (2**63 - 1)
+
+
+def test_sde_window_starts():
+    gens = [torch.Generator().manual_seed(s) for s in range(200)]
+    assert rollout.sde_window_starts(10, None, None, gens[:3]) == [0, 0, 0]
+    starts = rollout.sde_window_starts(10, 2, (0, 5), gens)
+    assert set(starts) == {0, 1, 2, 3}  # start ~ UniformInt{lo, ..., hi - w}
+    again = rollout.sde_window_starts(10, 2, (0, 5), [torch.Generator().manual_seed(s) for s in range(200)])
+    assert again == starts
+    with pytest.raises(ValueError, match="does not fit"):
+        rollout.sde_window_starts(4, 3, (0, 5), gens[:1])
+
+
+def test_request_rejects_unknown_keys_and_bad_values():
+    good = dict(prompts=["a"], seeds=[1], num_inference_steps=2, height=64, width=64)
+    assert len(RolloutRequest.from_dict(good)) == 1
+    with pytest.raises(ValueError, match="unknown rollout request keys.*guidance"):
+        RolloutRequest.from_dict(dict(good, guidance=3.0))
+    with pytest.raises(ValueError, match="seeds has 2"):
+        RolloutRequest.from_dict(dict(good, seeds=[1, 2]))
+    with pytest.raises(ValueError, match="noise_level > 0"):
+        RolloutRequest.from_dict(dict(good, return_log_probs=True))
+    with pytest.raises(ValueError, match="sde_type"):
+        RolloutRequest.from_dict(dict(good, sde_type="dance", noise_level=1.0))
+
+
+def test_message_framing_round_trip():
+    import io
+
+    buffer = io.BytesIO()
+    message = {"op": "x", "t": torch.arange(5.0), "nested": [1, "a"]}
+    rollout._send(buffer, message)
+    rollout._send(buffer, {"op": "y"})
+    buffer.seek(0)
+    first = rollout._recv(buffer)
+    assert torch.equal(first["t"], message["t"]) and first["nested"] == [1, "a"]
+    assert rollout._recv(buffer) == {"op": "y"}
+    with pytest.raises(EOFError):
+        rollout._recv(buffer)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the contract through the group
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base", "boogu_image_edit"])
+def test_contract_and_step0_conformance(groups, tiny_models, name):
+    """Shapes, dtypes and metadata of the response; then the trainer-side replay of every stored SDE step
+    (`losses.sde_step` with `prev_sample`, same schedule looked up by exact timestep equality) reproduces the
+    rollout's log-probs: ratio = 1 at step 0."""
+    request = edit_request() if name == "boogu_image_edit" else request_for(name)
+    result = groups[name].generate(request)
+    n = len(request)
+    assert result.images.dtype == torch.uint8 and result.images.shape == (n, 3, SIZE, SIZE)
+    assert result.latents_clean.dtype == torch.float32
+    assert result.all_latents.dtype == torch.float32 and result.all_latents.shape[:2] == (n, 3)
+    assert result.all_timesteps.shape == (n, 2) and result.all_log_probs.shape == (n, 2)
+    assert torch.isfinite(result.all_log_probs).all()
+    assert (result.all_timesteps[:, 0] > result.all_timesteps[:, 1]).all()  # descending 1000·σ
+    assert result.seeds == request.seeds
+    meta = result.metadata
+    assert meta["engine"] == "native" and meta["num_inference_steps"] == 4 and meta["window_size"] == 2
+    assert result.prompt_mask.shape == result.prompt_embeds.shape[:2]
+    if name == "boogu_image_edit":
+        assert result.ref_latents is not None and result.ref_latents.shape[0] == n
+    else:
+        assert result.ref_latents is None
+
+    model = load_model(os.path.join(tiny_models, name))
+    sigmas = model.schedule(4, SIZE, SIZE)
+    assert torch.equal(sigmas, meta["sigmas"])  # rollout and replay build the same float32 schedule
+    prompt = PromptEmbeds(result.prompt_embeds, result.prompt_mask)
+    negative = PromptEmbeds(result.negative_embeds, result.negative_mask)
+    for j in range(2):
+        x, x_next = result.all_latents[:, j], result.all_latents[:, j + 1]
+        sigma, sigma_next = losses.sigmas_at_timesteps(result.all_timesteps[:, j], sigmas)
+        with torch.no_grad():
+            v = model.guided_velocity(x, sigma, prompt, negative, meta["guidance"], result.ref_latents,
+                                      height=SIZE, width=SIZE)
+        replay = losses.sde_step(x, v, sigma, sigma_next, noise_level=1.0, sigma_max=sigmas[1], prev_sample=x_next)
+        ratio = torch.exp(replay.log_prob - result.all_log_probs[:, j])
+        torch.testing.assert_close(ratio, torch.ones(n), rtol=0, atol=1e-4)
+
+
+def test_rollouts_are_reproducible_and_batch_independent(groups, tiny_models):
+    request = request_for("boogu_image_base")
+    split = groups["boogu_image_base"].generate(request)  # rows split across two workers
+    engine = rollout.NativeEngine(os.path.join(tiny_models, "boogu_image_base"), max_batch_size=1)
+    one_by_one = engine.generate(request)
+    torch.testing.assert_close(split.latents_clean, one_by_one.latents_clean, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(split.all_log_probs, one_by_one.all_log_probs, rtol=1e-4, atol=1e-4)
+    assert split.window_starts == one_by_one.window_starts and len(split.window_starts) == 4
+    # reordering the rows reorders the samples and nothing else
+    order = [3, 1, 2, 0]
+    shuffled = engine.generate(request.select(order))
+    torch.testing.assert_close(shuffled.latents_clean, one_by_one.latents_clean[order], rtol=1e-4, atol=1e-4)
+    # different seeds give different samples
+    other = engine.generate(request_for("boogu_image_base", seeds=[1, 2, 3, 4]))
+    assert not torch.allclose(other.latents_clean, one_by_one.latents_clean)
+
+
+def test_ode_rollout_and_guidance_rules(groups):
+    ode = groups["qwen_image"].generate(request_for("qwen_image", noise_level=0.0, return_log_probs=False,
+                                                    sde_window_size=None, sde_window_range=None))
+    assert ode.all_latents is None and ode.all_log_probs is None and ode.window_starts is None
+    with pytest.raises(RolloutError, match="negative prompts"):
+        groups["boogu_image_base"].generate(request_for("boogu_image_base", negative_prompts=None))
+    with pytest.raises(RolloutError, match="true_cfg_scale"):
+        groups["boogu_image_base"].generate(request_for("boogu_image_base", true_cfg_scale=4.0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# failures: a dead or hung worker stops the run with its stderr, and leaves no process behind
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _generate_in_thread(group: RolloutGroup, request: RolloutRequest):
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = group.generate(request)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_killed_worker_gives_a_clear_error_and_no_orphan(tiny_models):
+    group = RolloutGroup(os.path.join(tiny_models, "boogu_image_base"), ["cpu"], threads_per_worker=1, timeout_s=120)
+    process = group.workers[0].process
+    big = request_for("boogu_image_base", n_per_prompt=8, num_inference_steps=8)
+    thread, outcome = _generate_in_thread(group, big)
+    time.sleep(1.0)
+    os.kill(process.pid, signal.SIGKILL)
+    thread.join(60)
+    assert isinstance(outcome.get("error"), RolloutError)
+    assert "died" in str(outcome["error"]) and "stderr tail" in str(outcome["error"])
+    assert process.poll() is not None and group.workers == []
+
+
+def test_hung_worker_times_out_and_is_killed(tiny_models):
+    group = RolloutGroup(os.path.join(tiny_models, "boogu_image_base"), ["cpu"], threads_per_worker=1, timeout_s=3)
+    process = group.workers[0].process
+    os.kill(process.pid, signal.SIGSTOP)  # a hang: alive but silent
+    with pytest.raises(RolloutError, match="did not answer within 3 s"):
+        group.generate(request_for("boogu_image_base"))
+    process.wait(timeout=30)  # close() killed it
+    assert process.poll() is not None
+
+
+def test_worker_that_cannot_load_reports_why(tmp_path):
+    with pytest.raises(RolloutError, match="failed to start.*not a directory"):
+        RolloutGroup(str(tmp_path / "missing"), ["cpu"], threads_per_worker=1, startup_timeout_s=120)
+
+
+def test_result_cat_pads_prompt_embeddings():
+    def part(length, n):
+        return RolloutResult(images=torch.zeros(n, 3, 2, 2, dtype=torch.uint8), latents_clean=torch.zeros(n, 4),
+                             prompt_embeds=torch.ones(n, length, 3), prompt_mask=torch.ones(n, length, dtype=torch.long),
+                             seeds=list(range(n)), metadata={"family": "f"})
+
+    joined = RolloutResult.cat([part(2, 1), part(5, 2)])
+    assert joined.prompt_embeds.shape == (3, 5, 3)
+    assert joined.prompt_mask.tolist()[0] == [1, 1, 0, 0, 0]
+    assert joined.prompt_embeds[0, 2:].abs().sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA delivery (kept last: it leaves an adapter loaded in the shared Qwen-Image group)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_nonzero_lora_reaches_the_workers_and_unbindable_adapters_fail(groups, tiny_models, tmp_path):
+    """An adapter with non-zero B (zero-init B would hide a binding bug) exported under vllm-omni names reaches the
+    worker, binds exactly as many modules as the actor has, and changes the samples measurably; the rollout then
+    equals the in-process actor with the same adapter. A file with an unbindable tensor is refused loudly."""
+    from safetensors.torch import load_file, save_file
+
+    from models import lora
+
+    path = os.path.join(tiny_models, "qwen_image")
+    group = groups["qwen_image"]
+    actor = load_model(path)
+    n_modules = lora.add_lora(actor, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(0)
+    for layer in lora.lora_layers(actor.transformer, "default").values():
+        weight = layer.lora_B["default"].weight
+        weight.data.copy_(torch.randn(weight.shape, generator=g) * 0.5)
+    adapter_dir = str(tmp_path / "adapter-v1")
+    lora.export_adapter(actor.transformer, adapter_dir, engine_names=True)
+
+    request = request_for("qwen_image", noise_level=0.0, return_log_probs=False, return_trajectory=False,
+                          sde_window_size=None, sde_window_range=None)
+    base = group.generate(request)
+    assert group.load_adapter(adapter_dir, "v1") == [n_modules] * group.num_workers
+    tuned = group.generate(request)
+    assert tuned.metadata["adapter_version"] == "v1" and tuned.metadata["bound_modules"] == n_modules
+    assert (tuned.images.float() - base.images.float()).abs().mean() > 1.0
+    local = rollout.NativeEngine.__new__(rollout.NativeEngine)  # the actor itself as an engine, no reload
+    local.model, local.device, local.max_batch_size = actor, torch.device("cpu"), 8
+    local.adapter_version, local.bound_modules = "v1", n_modules
+    torch.testing.assert_close(local.generate(request).latents_clean, tuned.latents_clean, rtol=1e-4, atol=1e-4)
+
+    tensors = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    key = next(iter(tensors))
+    tensors[key.replace("transformer_blocks.0.", "transformer_blocks.99.")] = tensors[key].clone()
+    save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"))
+    with pytest.raises(RolloutError, match="bind to no LoRA module"):
+        group.load_adapter(adapter_dir, "v2")
