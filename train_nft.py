@@ -30,7 +30,7 @@ import losses
 import rewards
 import training as T
 from data_prep.dataset import PromptDataset
-from models import load_model, lora
+from models import lora, resolve_model_path
 from models.base import PromptEmbeds
 from rollout import DistributedRollout
 
@@ -67,8 +67,8 @@ def main(argv=None) -> None:
     logger = T.TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"))
     T.write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger)
 
-    model = load_model(args.model_path, device=device, dtype=torch.float32,
-                       **({"max_sequence_length": args.max_sequence_length} if "qwen" in args.model_path.lower() else {}))
+    model_path = resolve_model_path(args.model_path)
+    model = T.load_flow_model(model_path, args, device)
     scale = T.guidance_of(model, args)
     targets = args.lora_target_modules.split(",") if args.lora_target_modules else list(model.default_lora_targets)
     lora_config = T.prepare_transformer(
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     else:
         lora.copy_adapter_(model.transformer, T.ADAPTER_DEFAULT, T.ADAPTER_OLD)  # rollouts start from the policy
 
-    rollout = DistributedRollout(args.model_path, args.rollout_devices.split(","), engine=args.rollout_engine,
+    rollout = DistributedRollout(model_path, args.rollout_devices.split(","), engine=args.rollout_engine,
                                  dtype=args.rollout_dtype if device.type == "cuda" else "float32",
                                  max_batch_size=args.rollout_max_batch_size, timeout_s=args.rollout_timeout_s,
                                  log_dir=os.path.join(args.output_dir, "rollout_logs"),
@@ -134,7 +134,7 @@ def main(argv=None) -> None:
         with T.timer("reward", timings):
             scored = T.score_samples(scorer, result.images, rows, args.rollout_n)
         with T.timer("adv", timings):
-            advantages, metrics = T.global_advantages(scored.rewards, args.rollout_n, global_std=args.global_std,
+            advantages, metrics = T.global_advantages(scored, args.rollout_n, global_std=args.global_std,
                                                       norm_by_std=args.norm_adv_by_std)
             reward_prob = losses.reward_probability(advantages, adv_clip_max=args.adv_clip_max, adv_mode=args.adv_mode)
 
@@ -190,8 +190,7 @@ def main(argv=None) -> None:
         timings.update(sync(step))
 
         # 5. logging, validation, checkpoint
-        accumulator.add(T.reward_extra_metrics(scored))
-        metrics.update(accumulator.reduce(device))
+        metrics.update(accumulator.reduce())
         metrics.update(old_metrics)
         step_time = time.perf_counter() - step_start
         metrics.update(timings)
