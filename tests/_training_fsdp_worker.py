@@ -102,6 +102,13 @@ def main() -> None:
     stepper2.step(opt2)
     after3b = T.adapter_state_dict(model2, "default")
 
+    bad = T.MetricAccumulator()
+    bad.add({"actor/a" if info.rank == 0 else "actor/b": 1.0})
+    try:
+        bad.reduce()
+        key_mismatch = "no error"
+    except RuntimeError as e:
+        key_mismatch = str(e)
     gathered = T.all_gather_cat(torch.full((2,), float(info.rank), device=info.device))
     # a save that fails on rank 0 only must raise on every rank (not leave rank 1 hanging in a collective)
     real_writer = T.save_adapter_dir
@@ -120,6 +127,7 @@ def main() -> None:
     result = {
         "rank": info.rank,
         "gathered": gathered.tolist(),
+        "key_mismatch": key_mismatch,
         "failed_save": failed_save,
         "step9_exists": os.path.exists(os.path.join(ckpt_root, "step_00000009")),
         "n_dtensor": n_dtensor,

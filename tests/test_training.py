@@ -40,6 +40,7 @@ def one_process_group():
     saved = {k: os.environ.get(k) for k in DIST_ENV}
     created = not torch.distributed.is_initialized()
     info = T.init_distributed("cpu")
+    assert {k: os.environ.get(k) for k in DIST_ENV} == saved  # the environment is left untouched
     yield info
     if created:
         T.cleanup_distributed()
@@ -585,6 +586,8 @@ def test_reward_and_advantage_metrics():
         "critic/rewards/group_size": 2.0,
         "critic/advantages/mean": 0.0, "critic/advantages/max": 1.0, "critic/advantages/min": -1.0,
     }
+    m3 = T.reward_metrics(rewards, uids, extras={"pickscore_raw": [1, 2, 3, 4, 5, 6], "reward/ocr": [0.5] * 6})
+    assert m3["critic/pickscore_raw/mean"] == 3.5 and m3["critic/reward/ocr/mean"] == 0.5
     m2 = T.reward_metrics(rewards[:, None].expand(6, 3), uids)  # (B, T): averaged over T first
     assert m2["critic/rewards/mean"] == pytest.approx(4.0 / 6) and "critic/advantages/mean" not in m2
     with pytest.raises(ValueError):
@@ -704,6 +707,7 @@ def test_fsdp2_lora_two_ranks(tmp_path):
     # both ranks agree on every reduced metric, the global batches and the gathered adapter weights
     assert r0["steps"] == r1["steps"] and r0["batches"] == r1["batches"] and r0["default_sum"] == r1["default_sum"]
     assert r0["gathered"] == r1["gathered"] == [0.0, 0.0, 1.0, 1.0]  # all_gather_cat, rank order
+    assert all("ranks logged different metric keys" in r["key_mismatch"] for r in (r0, r1))
     # a save failing on rank 0 raises on both ranks (rank 1 names rank 0's error) and leaves no step directory
     assert r0["failed_save"] == "OSError: disk full (simulated on rank 0)"
     assert r1["failed_save"].startswith("CheckpointError") and "rank 0" in r1["failed_save"]
@@ -714,3 +718,55 @@ def test_fsdp2_lora_two_ranks(tmp_path):
         assert s["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
         assert s["actor/loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert r0["ref_max_param_diff"] < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the real tiny checkpoints: what the trainers do, through the model wrappers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_edit"])
+def test_prepare_real_tiny_transformer(tiny_models, name):
+    """prepare_transformer (LoRA default+old, activation checkpointing, FSDP2) on the wrapper's transformer with its
+    default targets and block prefixes; predict_velocity backpropagates into "default" only; "old" and the disabled
+    (reference) pass go through the same wrapper, and the disabled pass equals an untouched model exactly."""
+    from models import load_model
+
+    path = os.path.join(tiny_models, name)
+    model, untouched = load_model(path), load_model(path)
+    T.prepare_transformer(model.transformer, block_prefixes=model.lora_block_prefixes,
+                          target_modules=model.default_lora_targets, lora_rank=4, lora_alpha=8.0,
+                          adapter_names=("default", "old"), device="cpu", activation_checkpointing=True)
+    with torch.no_grad():
+        for n, p in T.adapter_params(model.transformer, "default"):
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)
+    prompt = model.encode_prompt(["a red bicycle", "a sign that says 'hi'"])
+    x = model.prepare_noise(64, 64, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    kw = {"height": 64, "width": 64}
+    if name == "boogu_image_edit":
+        img = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        kw["ref_latents"] = model.encode_reference([img, img], [torch.Generator().manual_seed(s) for s in (5, 6)])
+    sigmas = torch.tensor([0.7, 0.3])
+    v = model.predict_velocity(x, sigmas, prompt, **kw)
+    with torch.no_grad():
+        with T.use_adapter(model.transformer, "old"):
+            v_old = model.predict_velocity(x, sigmas, prompt, **kw)
+        with lora.lora_disabled(model.transformer):
+            v_base = model.predict_velocity(x, sigmas, prompt, **kw)
+        v_untouched = untouched.predict_velocity(x, sigmas, prompt, **kw)
+    assert torch.equal(v_base, v_untouched)
+    assert torch.equal(v_old, v_base)  # "old" has B = 0 (not yet copied), so it equals the base model
+    assert (v.detach() - v_base).abs().max() > 1e-3  # "default" has non-zero B
+    v.pow(2).mean().backward()
+    no_grad = {n for n, p in T.adapter_params(model.transformer, "default") if p.grad is None}
+    if name == "qwen_image":  # the last dual-stream block's text outputs never reach the image: no gradient
+        last = f"transformer_blocks.{len(model.transformer.transformer_blocks) - 1}"
+        assert no_grad == {f"{last}.{m}.lora_{ab}.default.weight" for ab in "AB"
+                           for m in ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")}
+    else:
+        assert not no_grad
+    assert all(p.grad is None for _, p in T.adapter_params(model.transformer, "old"))
+    assert all(p.grad is None for n, p in model.transformer.named_parameters() if ".lora_" not in n)
+    m = T.GradStepper(max_grad_norm=1.0).step(T.build_optimizer(model.transformer, lr=1e-3))
+    assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
