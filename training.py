@@ -446,30 +446,13 @@ def load_adapter_state_(transformer: nn.Module, adapter: str, state: Mapping[str
 
 def save_adapter_dir(state: Mapping[str, torch.Tensor], lora_config, out_dir: str, *,
                      engine_names: bool = False) -> None:
-    """Rank-0 half of an adapter export: write full tensors (from `adapter_state_dict`, gathered on every rank) as
-    a PEFT adapter directory in exactly `models.lora.export_adapter`'s format (trainer names, keys
-    "transformer.<path>.lora_A.weight" that diffusers' `load_lora_weights` selects, adapter_config.json, and the
-    diffusers `lora_adapter_metadata` header so diffusers applies alpha/r). `models.lora.export_adapter` itself
-    gathers AND writes on every rank, which a rank-0-only checkpoint writer cannot call.
-    engine_names=True writes vllm-omni module names (keys and target_modules, `models.lora.to_engine_name`)."""
-    from safetensors.torch import save_file
-
-    rename = lora.to_engine_name if engine_names else (lambda name: name)
-
-    os.makedirs(out_dir, exist_ok=True)
-    cfg = json.loads(json.dumps(lora_config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-    cfg.update(peft_type="LORA", inference_mode=True, use_dora=False, lora_bias=False,
-               target_modules=sorted(rename(t) for t in lora_config.target_modules))
-    with open(os.path.join(out_dir, lora.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    meta_keys = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "use_dora", "lora_bias")
-    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(
-        {f"transformer.{k}": cfg[k] for k in meta_keys if k in cfg}, sort_keys=True)}
-    tensors = {}
-    for key, value in sorted(state.items()):
-        module, suffix = key.rsplit(".lora_", 1)
-        tensors[f"transformer.{rename(module)}.lora_{suffix}"] = value.contiguous()
-    save_file(tensors, os.path.join(out_dir, lora.ADAPTER_WEIGHTS), metadata=metadata)
+    """Rank-0 half of an adapter export: write full tensors (from `adapter_state_dict`, gathered on every rank) as a
+    PEFT adapter directory with `models.lora.write_adapter_dir` (diffusers' `load_lora_weights` reads it;
+    engine_names=True writes vllm-omni names)."""
+    config = json.loads(json.dumps(lora_config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    config.update(peft_type="LORA", inference_mode=True, use_dora=False, lora_bias=False,
+                  target_modules=sorted(lora_config.target_modules))
+    lora.write_adapter_dir(dict(state), config, out_dir, engine_names=engine_names)
 
 
 def read_adapter_dir(path: str) -> dict[str, torch.Tensor]:
@@ -1415,13 +1398,8 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
     with timer("update_weights", timings):
         state = adapter_state_dict(transformer, adapter)
         path = os.path.join(root, f"v{version:08d}")
-        if is_main_process():
-            os.makedirs(root, exist_ok=True)
-            tmp = os.path.join(root, f".tmp-v{version:08d}-{uuid.uuid4().hex[:8]}")
-            save_adapter_dir(state, lora_config, tmp, engine_names=engine_names)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.rename(tmp, path)
+        if is_main_process():  # an atomic write: workers never see a half-written version
+            save_adapter_dir(state, lora_config, path, engine_names=engine_names)
             for old in sorted(d for d in os.listdir(root) if d.startswith("v"))[:-keep]:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         barrier()
