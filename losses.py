@@ -33,6 +33,7 @@ __all__ = [
     "old_policy_decay",
     "reward_probability",
     "sde_step",
+    "select_train_timesteps",
     "sigmas_at_timesteps",
     "time_shift_mu",
 ]
@@ -666,6 +667,28 @@ def diffusion_nft_loss(
             "total_loss": float(loss.item()),
         }
     return loss, metrics
+
+
+def select_train_timesteps(
+    train_timesteps: torch.Tensor, *, timestep_fraction: float = 1.0, seed: int | None = 42
+) -> torch.Tensor:
+    """DiffusionNFT training timesteps ``(B, K)`` int64 from the rollout schedule's timesteps ``(B, N)``.
+
+    ``K = max(1, int(N * timestep_fraction))``; each row is permuted independently (``torch.randperm`` on the
+    CPU) and its first K entries kept, then cast to INTEGER scheduler timesteps, as verl-omni does: the training
+    ``t = timestep / 1000`` is therefore ``floor(1000 sigma) / 1000`` (851.48 -> 0.851), not the exact rollout sigma.
+    verl-omni re-seeds the generator with ``seed`` (its ``data_loader_seed``, 42) on every call, so the
+    permutation pattern repeats every step; ``seed=None`` draws from torch's global generator instead.
+    """
+    if train_timesteps.ndim != 2:
+        raise ValueError(f"train_timesteps must be (B, N), got {tuple(train_timesteps.shape)}")
+    if not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"timestep_fraction must lie in (0, 1], got {timestep_fraction}")
+    num_steps = train_timesteps.shape[1]
+    keep = max(1, int(num_steps * timestep_fraction))
+    generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+    rows = [row[torch.randperm(num_steps, generator=generator)[:keep].to(row.device)] for row in train_timesteps]
+    return torch.stack(rows).long()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ Conventions (spec rewards_data_anchors.md §1-2):
 
 Extras (numeric, (B,) float32, NaN where a sample was not scored by that reward): `reward/<name>` for every reward
 computed; `pickscore/raw` = exp(logit_scale)*cos before the /26 (the published PickScore scale, ~21-24);
-`reward/combined` for multi-reward.
+`reward/combined` for multi-reward. Metric keys are built by the trainers (training.validation_metrics); in a batch
+that mixes data sources, average extras with NaNs dropped.
 
 Multi-reward (`--reward_weights ocr=1.0,jpeg_compressibility=0.01`): every sample is scored by every listed reward
 and gets the weighted sum. A reward that is not the row's own data_source reads its ground truth from extra_info
@@ -893,42 +894,6 @@ class RewardScorer:
                 f"sample {i} (data_source {sources[i]!r}) has no ground truth for reward {name!r}: multi-reward "
                 f"reads it from extra_info[{key!r}] when the row's data_source names another reward")
         return info[key]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Metric names (spec rewards_data_anchors.md §3.5-3.6)
-# ----------------------------------------------------------------------------------------------------------------
-
-def _nanmean(values: torch.Tensor) -> float | None:
-    values = values[~torch.isnan(values)]
-    return float(values.mean()) if values.numel() else None
-
-
-def validation_metrics(result: RewardResult, data_sources: Sequence[str]) -> dict[str, float]:
-    """verl-omni's validation keys for one sample per prompt (n = 1), grouped by data_source:
-    `val-core/<data_source>/reward/mean@1` (the headline) and `val-aux/<data_source>/<extra>/mean@1` for every
-    numeric extra (e.g. `val-aux/pickscore/pickscore/raw/mean@1`, `val-aux/ocr/reward/ocr/mean@1`)."""
-    metrics: dict[str, float] = {}
-    for ds in dict.fromkeys(data_sources):
-        mask = torch.tensor([d == ds for d in data_sources])
-        metrics[f"val-core/{ds}/reward/mean@1"] = float(result.rewards[mask].mean())
-        for key, values in result.extras.items():
-            mean = _nanmean(values[mask])
-            if mean is not None:
-                metrics[f"val-aux/{ds}/{key}/mean@1"] = mean
-    return metrics
-
-
-def training_metrics(result: RewardResult) -> dict[str, float]:
-    """Per-step reward metrics: `critic/rewards/{mean,max,min}` over the batch and `critic/<extra>/mean` for every
-    numeric extra (NaNs of samples a reward did not score are ignored)."""
-    metrics = {"critic/rewards/mean": float(result.rewards.mean()), "critic/rewards/max": float(result.rewards.max()),
-               "critic/rewards/min": float(result.rewards.min())}
-    for key, values in result.extras.items():
-        mean = _nanmean(values)
-        if mean is not None:
-            metrics[f"critic/{key}/mean"] = mean
-    return metrics
 
 
 def _main() -> None:

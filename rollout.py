@@ -153,6 +153,25 @@ class RolloutRequest:
         if self.noise_level > 0 and self.sde_window_size is None and self.num_inference_steps < 2:
             raise ValueError("an SDE rollout without sde_window_size needs num_inference_steps >= 2")
 
+    @staticmethod
+    def concat(requests: Sequence["RolloutRequest"]) -> "RolloutRequest":
+        """One request holding every sample of `requests` in order; their shared settings must agree."""
+        if not requests:
+            raise ValueError("RolloutRequest.concat needs at least one request")
+        per_sample = ("prompts", "seeds", "negative_prompts", "images")
+        first = requests[0]
+        for other in requests[1:]:
+            for f in dataclasses.fields(RolloutRequest):
+                if f.name not in per_sample and getattr(other, f.name) != getattr(first, f.name):
+                    raise ValueError(f"requests disagree on {f.name}: {getattr(first, f.name)!r} vs "
+                                     f"{getattr(other, f.name)!r}")
+            for name in ("negative_prompts", "images"):
+                if (getattr(other, name) is None) != (getattr(first, name) is None):
+                    raise ValueError(f"some requests carry {name} and others do not")
+        join = lambda name: None if getattr(first, name) is None else [  # noqa: E731
+            x for r in requests for x in getattr(r, name)]
+        return dataclasses.replace(first, **{name: join(name) for name in per_sample})
+
     def select(self, rows: Sequence[int]) -> "RolloutRequest":
         """The sub-request of the given sample rows (shared settings kept)."""
         pick = lambda xs: None if xs is None else [xs[r] for r in rows]  # noqa: E731
@@ -193,6 +212,20 @@ class RolloutResult:
 
     def __len__(self) -> int:
         return self.images.shape[0]
+
+    def select(self, rows: Sequence[int]) -> "RolloutResult":
+        """The given sample rows (per-sample fields indexed, metadata shared)."""
+        rows = list(rows)
+        index = torch.as_tensor(rows, dtype=torch.long)
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        return RolloutResult(
+            images=pick(self.images), latents_clean=pick(self.latents_clean), prompt_embeds=pick(self.prompt_embeds),
+            prompt_mask=pick(self.prompt_mask), seeds=[self.seeds[r] for r in rows], metadata=self.metadata,
+            window_starts=None if self.window_starts is None else [self.window_starts[r] for r in rows],
+            negative_embeds=pick(self.negative_embeds), negative_mask=pick(self.negative_mask),
+            ref_latents=pick(self.ref_latents), all_latents=pick(self.all_latents),
+            all_timesteps=pick(self.all_timesteps), all_log_probs=pick(self.all_log_probs),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields (no copies), for the process boundary: `RolloutResult(**d)` rebuilds it."""
@@ -673,6 +706,108 @@ class RolloutGroup:
             self.close()
         except Exception:
             pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trainer side: one rollout group per node, driven by the node's local rank 0
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DistributedRollout:
+    """What every trainer rank uses. On each node, local rank 0 owns a `RolloutGroup` on that node's rollout GPUs;
+    `generate` gathers the node's per-rank requests (over a gloo subgroup of the node's ranks), runs them as one
+    request and scatters each rank its own rows back. Without torch.distributed it is a plain group.
+
+    Multi-node layout: every node runs `torchrun --nproc_per_node=<trainer GPUs>` and reserves `devices` (e.g.
+    `cuda:3`) for its own rollout workers; adapter directories must be on a filesystem all nodes see.
+    """
+
+    def __init__(self, model_path: str, devices: Sequence[str], **group_kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.node_group, self.node_root = None, 0
+        local_rank = 0
+        if self.distributed:
+            world = dist.get_world_size()
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            if world % local_world:
+                raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
+            # every rank must create every node's subgroup (a collective), then keep its own
+            self.node_group, _ = dist.new_subgroups(group_size=local_world, backend="gloo")
+            self.node_root = dist.get_global_rank(self.node_group, 0)
+        self.group = RolloutGroup(model_path, devices, **group_kwargs) if local_rank == 0 else None
+        self._check_started()
+
+    def _check_started(self) -> None:
+        """Every rank learns whether every node's group started (so none waits forever on a failed node)."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        flags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, self.group is not None or int(os.environ.get("LOCAL_RANK", 0)) != 0)
+        if not all(flags):
+            raise RolloutError("a node's rollout group failed to start (see that node's log)")
+
+    @property
+    def is_driver(self) -> bool:
+        return self.group is not None
+
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        """This rank's rows of the node's combined request, in order. Collective over the node's ranks."""
+        if not self.distributed:
+            return self.group.generate(request)
+        import torch.distributed as dist
+
+        size = dist.get_world_size(self.node_group)
+        gathered: list[Any] = [None] * size if self.is_driver else None
+        dist.gather_object(dataclasses.asdict(request), gathered, dst=self.node_root, group=self.node_group)
+        parts: list[Any] = [None] * size
+        if self.is_driver:
+            requests = [RolloutRequest.from_dict(r) for r in gathered]
+            error, result = None, None
+            try:
+                result = self.group.generate(RolloutRequest.concat(requests))
+            except Exception as e:  # every rank of the node must hear about it, not hang in the scatter
+                error = f"{type(e).__name__}: {e}"
+            start = 0
+            for i, r in enumerate(requests):
+                rows = range(start, start + len(r))
+                parts[i] = {"error": error} if error else {"result": result.select(rows).to_dict()}
+                start += len(r)
+        mine: list[Any] = [None]
+        dist.scatter_object_list(mine, parts if self.is_driver else None, src=self.node_root, group=self.node_group)
+        if "error" in mine[0]:
+            raise RolloutError(f"rollout failed on this node: {mine[0]['error']}")
+        return RolloutResult(**mine[0]["result"])
+
+    def load_adapter(self, adapter_dir: str, version: str) -> list[int]:
+        """Every node's workers load the adapter; returns this node's per-worker bound-module counts on every rank
+        of the node. Collective over the node's ranks."""
+        counts: Any = None
+        error = None
+        if self.is_driver:
+            try:
+                counts = self.group.load_adapter(adapter_dir, version)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        if not self.distributed:
+            if error:
+                raise RolloutError(error)
+            return counts
+        import torch.distributed as dist
+
+        box = [{"counts": counts, "error": error}]
+        dist.broadcast_object_list(box, src=self.node_root, group=self.node_group)
+        if box[0]["error"]:
+            raise RolloutError(f"adapter {adapter_dir} could not be loaded by the rollout workers: {box[0]['error']}")
+        return box[0]["counts"]
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-DATA_SOURCES = ("ocr", "pickscore")
+DATA_SOURCES = ("ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")  # = rewards.REWARD_NAMES
 SPLITS = ("train", "test")
 INSTRUCTION_PREFIX = "change the text to"
 

@@ -9,17 +9,36 @@
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
 from models.base import FlowModel, PromptEmbeds, read_json
 
-__all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family"]
+__all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path"]
 
 FAMILIES = {
     "QwenImagePipeline": "qwen_image",
     "BooguImagePipeline": "boogu_image",
 }
+
+
+def resolve_model_path(path: str) -> str:
+    """A local pipeline folder as is; a Hugging Face Hub id ("Boogu/Boogu-Image-0.1-Base") is fetched into the Hub
+    cache (or found there with HF_HUB_OFFLINE=1) and its snapshot folder returned."""
+    if os.path.isdir(path):
+        return path
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path or "") and not os.path.exists(path):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return snapshot_download(path)
+        except Exception as e:  # network, auth or offline-cache miss: say which and how to fix it
+            raise FileNotFoundError(
+                f"could not get {path!r} from the Hugging Face Hub ({type(e).__name__}: {e}); download it first "
+                f"(huggingface-cli download {path}) and pass the local folder"
+            ) from e
+    raise FileNotFoundError(f"model path {path!r} is not a directory; pass a diffusers-style pipeline folder")
 
 
 def model_family(path: str) -> str:

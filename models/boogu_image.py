@@ -385,7 +385,7 @@ class _Layout:
         ref_pos: list[torch.Tensor] = []
         max_axis = [0, 0, 0]
         for b in range(self.batch):
-            shift, start = cap_lens[b], 0
+            shift = cap_lens[b]
             pieces = []
             for h, w in ref_sizes[b] + [img_sizes[b]]:
                 rows = torch.arange(h, device=device)[:, None].expand(h, w).reshape(-1)
@@ -672,16 +672,18 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             ref_temb = temb[layout.ref_owner]
             for block in self.ref_image_refiner:
                 ref_tokens = self._run(block, ref_tokens, layout.ref, ref_temb)
-        # Image stream per sample: [references ; noise], padded to comb_max.
-        r = 0
-        for b in range(batch):
-            sample = []
-            for _ in refs[b]:
-                sample.append(ref_tokens[r, : layout.ref_flat_lens[r]])
-                r += 1
-            sample.append(noise[b, : layout.img_lens[b]])
-            pieces.append(torch.cat(sample, dim=0) if len(sample) > 1 else sample[0])
-        img = nn.utils.rnn.pad_sequence(pieces, batch_first=True)
+            # Image stream per sample: [references ; noise], padded to comb_max.
+            r = 0
+            for b in range(batch):
+                sample = []
+                for _ in refs[b]:
+                    sample.append(ref_tokens[r, : layout.ref_flat_lens[r]])
+                    r += 1
+                sample.append(noise[b, : layout.img_lens[b]])
+                pieces.append(torch.cat(sample, dim=0))
+            img = nn.utils.rnn.pad_sequence(pieces, batch_first=True)
+        else:
+            img = noise  # no references anywhere: the image stream is the noise stream
 
         for block in self.double_stream_layers:
             img, instruction = self._run(block, img, instruction, temb, layout)
@@ -882,6 +884,7 @@ class BooguImageModel(FlowModel):
                 raise FileNotFoundError(f"{path} has no {sub}/ folder; a Boogu-Image pipeline needs transformer/ "
                                         "mllm/ processor/ scheduler/ vae/")
         scheduler_config = read_json(os.path.join(path, "scheduler", "scheduler_config.json"), "Boogu scheduler config")
+        boogu_schedule_mu(scheduler_config, latent_tokens=4096)  # unsupported settings fail before any weight loads
 
         freqs_cis = None
         if use_upstream_transformer:

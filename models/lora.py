@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -158,6 +159,7 @@ def apply_lora(
     trainable: Sequence[str] | None = None,
     dropout: float = 0.0,
     init_lora_weights: bool = True,
+    use_rslora: bool = False,
 ) -> int:
     """Validate `targets`, then inject one PEFT LoRA adapter per name (e.g. ("default", "old")) with the same config.
 
@@ -175,7 +177,7 @@ def apply_lora(
         raise ValueError(f"adapters {clash} already exist on this transformer")
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=dropout,
-        init_lora_weights=init_lora_weights,
+        init_lora_weights=init_lora_weights, use_rslora=use_rslora,
     )
     peft_configs = getattr(transformer, "peft_config", None)
     peft_configs = dict(peft_configs) if isinstance(peft_configs, dict) else {}
@@ -347,7 +349,8 @@ def export_adapter(
 
 def read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config, {trainer module path: {"A": tensor, "B": tensor}}) from a PEFT adapter directory in either
-    name form (prefix `transformer.` / `base_model.model.` / none)."""
+    name form (prefix `transformer.` / `base_model.model.` / none). A module may lack A or B here;
+    `import_adapter` checks bindability first, then completeness."""
     from safetensors.torch import load_file
 
     from models.base import read_json
@@ -371,9 +374,6 @@ def read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
                 path = path[len(p):]
                 break
         modules.setdefault(from_engine_name(path), {})[m.group(2)] = t
-    for path, ab in modules.items():
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"{wpath}: module {path!r} has only lora_{''.join(ab)} (both A and B are required)")
     return config, modules
 
 
@@ -400,7 +400,8 @@ def import_adapter(
         else:
             block_prefixes = sorted({n.split(".")[0] for n, _ in transformer.named_modules() if n})
         apply_lora(transformer, targets, rank=int(config["r"]), alpha=config["lora_alpha"],
-                   block_prefixes=block_prefixes, adapter_names=(adapter_name,), trainable=())
+                   block_prefixes=block_prefixes, adapter_names=(adapter_name,), trainable=(),
+                   use_rslora=bool(config.get("use_rslora", False)))
         layers = lora_layers(transformer, adapter_name)
     unbound = sorted(set(modules) - set(layers))
     if unbound:
@@ -408,6 +409,9 @@ def import_adapter(
             f"{len(unbound)} adapter tensors in {adapter_dir} bind to no LoRA module of adapter {adapter_name!r}: "
             f"{unbound[:6]}; the adapter was made for another model or with other target_modules"
         )
+    half = sorted(p for p, ab in modules.items() if set(ab) != {"A", "B"})
+    if half:
+        raise ValueError(f"{adapter_dir}: modules {half[:6]} lack lora_A or lora_B (both are required)")
     missing = sorted(set(layers) - set(modules))
     if missing:
         raise ValueError(
@@ -420,8 +424,12 @@ def import_adapter(
             if a.shape != wa.shape or b.shape != wb.shape:
                 raise ValueError(f"{path}: adapter shapes A{tuple(a.shape)} B{tuple(b.shape)} do not match the model's "
                                  f"A{tuple(wa.shape)} B{tuple(wb.shape)} (different rank or model size)")
-            if layer.lora_alpha[adapter_name] != config["lora_alpha"]:
-                raise ValueError(f"{path}: lora_alpha {layer.lora_alpha[adapter_name]} != file's {config['lora_alpha']}")
+            r, alpha = wa.shape[0], config["lora_alpha"]
+            scaling = alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
+            if not math.isclose(layer.scaling[adapter_name], scaling, rel_tol=1e-6):
+                raise ValueError(f"{path}: the model's LoRA scaling {layer.scaling[adapter_name]} differs from the "
+                                 f"file's {scaling} (lora_alpha={alpha}, r={r}, use_rslora="
+                                 f"{config.get('use_rslora', False)})")
             wa.copy_(a.to(wa.dtype))
             wb.copy_(b.to(wb.dtype))
     return len(layers)

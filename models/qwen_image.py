@@ -157,11 +157,20 @@ class QwenImageModel(FlowModel):
 
     # ---- schedule ---------------------------------------------------------------------------------------------
     def _check_scheduler_config(self) -> None:
+        """Fail closed on scheduler settings that `schedule` does not reproduce (it implements the released
+        dynamic exponential shift + terminal stretch over 1000 train timesteps, nothing else)."""
         cfg = self.scheduler_config
         if not cfg.get("use_dynamic_shifting", False) or cfg.get("time_shift_type", "exponential") != "exponential":
             raise ValueError(
-                "Qwen-Image expects a FlowMatchEulerDiscreteScheduler config with use_dynamic_shifting=true and "
+                "Qwen-Image expects a scheduler config (FlowMatchEulerDiscreteScheduler) with use_dynamic_shifting=true and "
                 f"time_shift_type='exponential'; got {cfg!r}"
+            )
+        unsupported = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
+                                   "stochastic_sampling") if cfg.get(k, False)]
+        if unsupported or cfg.get("num_train_timesteps", 1000) != 1000:
+            raise ValueError(
+                f"unsupported Qwen-Image scheduler settings {unsupported or ['num_train_timesteps']} in {cfg!r}; "
+                "the wrapper reproduces the released config only (see spec models_and_rollout.md B.1)"
             )
 
     def image_seq_len(self, height: int, width: int) -> int:

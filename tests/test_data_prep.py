@@ -281,3 +281,10 @@ def test_synthetic_edit_scenes_are_legible_to_ocr(tmp_path):
     # ...and the ground truth of the OCR arm is the new word, which the source image does not show.
     targets = [ds[i].ground_truth for i in range(len(ds))]
     assert all(t != s for t, s in zip(targets, sources))
+
+
+def test_set_data_source_accepts_exactly_the_reward_names():
+    import rewards
+    from data_prep import set_data_source
+
+    assert set(set_data_source.DATA_SOURCES) == set(rewards.REWARD_NAMES)

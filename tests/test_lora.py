@@ -373,3 +373,77 @@ def test_flow_model_add_and_load_adapter(qwen_dir, trained_qwen, tmp_path):
     torch.testing.assert_close(run_transformer(m.transformer, inputs), v2, rtol=1e-5, atol=1e-6)
     m2 = load_model(qwen_dir)
     assert add_lora(m2, rank=2, alpha=2, adapter_names=("default", "old")) == 12 * t.config.num_layers
+
+
+def test_peft_reads_base_model_prefix_export(qwen_dir, qwen_inputs, trained_qwen, tmp_path):
+    """key_prefix="base_model.model." is PEFT's own saved form: PeftModel.from_pretrained binds it."""
+    from peft import PeftModel
+
+    t, _, out = trained_qwen
+    export_adapter(t, tmp_path / "peft", key_prefix="base_model.model.")
+    pm = PeftModel.from_pretrained(fresh_qwen_transformer(qwen_dir), str(tmp_path / "peft"))
+    torch.testing.assert_close(run_transformer(pm.base_model.model, qwen_inputs), out, rtol=1e-5, atol=1e-6)
+
+
+def test_import_scaling_mismatch_raises(qwen_dir, trained_qwen, tmp_path):
+    t, _, _ = trained_qwen
+    export_adapter(t, tmp_path / "a")
+    other = fresh_qwen_transformer(qwen_dir)
+    apply_lora(other, QwenImageModel.default_lora_targets, rank=4, alpha=4,  # alpha differs: scaling 1 vs 2
+               block_prefixes=QwenImageModel.lora_block_prefixes)
+    with pytest.raises(ValueError, match="scaling"):
+        import_adapter(other, tmp_path / "a")
+
+
+def test_export_gathers_fsdp2_sharded_adapter(tmp_path):
+    """Under FSDP2 the LoRA weights are DTensors; export gathers full tensors (1-rank gloo group on CPU)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from models.lora import read_adapter
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_q = torch.nn.Linear(8, 8)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+            self.proj_out = torch.nn.Linear(8, 8)
+
+    assert not dist.is_initialized(), "another test left a default process group behind"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        apply_lora(net, ["to_q"], rank=2, alpha=4, block_prefixes=("blocks",))
+        randomize_lora_(net, seed=5)
+        ref = {p: (l.lora_A["default"].weight.detach().clone(), l.lora_B["default"].weight.detach().clone())
+               for p, l in lora_layers(net).items()}
+        for block in net.blocks:
+            fully_shard(block)
+        fully_shard(net)
+        w = lora_layers(net)["blocks.0.to_q"].lora_A["default"].weight
+        assert type(w).__name__ == "DTensor"
+        assert export_adapter(net, tmp_path / "a") == 2
+        _, modules = read_adapter(str(tmp_path / "a"))
+        assert sorted(modules) == sorted(ref)
+        for p, (a, b) in ref.items():
+            assert torch.equal(modules[p]["A"], a) and torch.equal(modules[p]["B"], b)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_import_half_pair_raises(qwen_dir, trained_qwen, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    t, _, _ = trained_qwen
+    d = tmp_path / "adapter"
+    export_adapter(t, d)
+    sd = load_file(d / ADAPTER_WEIGHTS)
+    del sd["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"]
+    save_file(sd, d / ADAPTER_WEIGHTS)
+    with pytest.raises(ValueError, match="lack lora_A or lora_B"):
+        import_adapter(fresh_qwen_transformer(qwen_dir), d)

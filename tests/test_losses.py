@@ -677,3 +677,21 @@ def test_sigmas_at_timesteps_is_an_exact_lookup():
     other = losses.flow_sigmas(10, mu=qwen_mu(4096), shift_terminal=0.02)
     with pytest.raises(ValueError, match="different schedules"):
         losses.sigmas_at_timesteps(other[1:3] * 1000, sigmas)
+
+
+def test_select_train_timesteps_permutes_rows_and_truncates_to_integers():
+    timesteps = (losses.flow_sigmas(10, mu=qwen_mu(1024), shift_terminal=0.02)[:-1] * 1000).expand(3, 10)
+    chosen = losses.select_train_timesteps(timesteps, timestep_fraction=0.95, seed=42)
+    assert chosen.dtype == torch.int64 and chosen.shape == (3, 9)  # K = int(10 * 0.95) = 9
+    for row in chosen.tolist():
+        assert len(set(row)) == 9 and set(row) <= {int(t) for t in timesteps[0].tolist()}
+    assert 851 in {int(t) for t in timesteps[0].tolist()}  # 851.4848 truncates to 851 (t = 0.851)
+    # re-seeded every call: the same pattern every step; rows are permuted independently
+    again = losses.select_train_timesteps(timesteps, timestep_fraction=0.95, seed=42)
+    assert torch.equal(chosen, again) and not torch.equal(chosen[0], chosen[1])
+    g = torch.Generator().manual_seed(42)
+    expected = torch.stack([timesteps[b][torch.randperm(10, generator=g)[:9]] for b in range(3)]).long()
+    assert torch.equal(chosen, expected)
+    assert losses.select_train_timesteps(timesteps[:, :1], timestep_fraction=0.1).shape == (3, 1)  # K >= 1
+    with pytest.raises(ValueError, match="timestep_fraction"):
+        losses.select_train_timesteps(timesteps, timestep_fraction=0.0)

@@ -283,8 +283,29 @@ def test_transformer_save_load_round_trip(model, qwen_dir, tmp_path):
         assert torch.equal(v, sd[k]), k
 
 
+@pytest.mark.parametrize("change", [{"use_karras_sigmas": True}, {"use_dynamic_shifting": False},
+                                    {"time_shift_type": "linear"}, {"num_train_timesteps": 500}])
+def test_unsupported_scheduler_config_raises(model, change):
+    with pytest.raises(ValueError, match="scheduler"):
+        QwenImageModel(model.transformer, model.vae, model.text_encoder, model.tokenizer,
+                       {**model.scheduler_config, **change})
+
+
 def test_prompt_embeds_validation():
     with pytest.raises(ValueError):
         PromptEmbeds(torch.zeros(2, 3), torch.ones(2, 3))
     with pytest.raises(ValueError):
         PromptEmbeds(torch.zeros(2, 3, 4), torch.ones(2, 4))
+
+
+def test_bf16_load_casts_inside_and_returns_fp32(qwen_dir):
+    m = load_model(qwen_dir, dtype=torch.bfloat16, max_sequence_length=8)
+    assert m.max_sequence_length == 8 and m.transformer.dtype == torch.bfloat16
+    pe = m.encode_prompt(PROMPTS)
+    assert pe.embeds.dtype == torch.bfloat16 and pe.embeds.shape[1] <= 8
+    x = m.prepare_noise(32, 32, gens([0, 1]))
+    assert x.dtype == torch.float32
+    with torch.no_grad():
+        v = m.guided_velocity(x, torch.tensor([0.5, 0.5]), pe, m.encode_prompt([NEG, NEG]), 4.0)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+    assert m.decode(x).dtype == torch.uint8

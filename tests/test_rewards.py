@@ -520,19 +520,3 @@ def test_scorer_builds_from_a_pickled_config_in_another_process():
     assert rewards == pytest.approx(scorer.score_batch(images, ["", ""], ["jpeg_incompressibility",
                                                                        "jpeg_compressibility"]).rewards.tolist())
 
-
-def test_metric_names_follow_verl_omni():
-    result = R.RewardResult(
-        rewards=torch.tensor([1.0, 0.5, 0.8, 0.6]),
-        extras={"reward/ocr": torch.tensor([1.0, 0.5, float("nan"), float("nan")]),
-                "reward/pickscore": torch.tensor([float("nan"), float("nan"), 0.8, 0.6]),
-                "pickscore/raw": torch.tensor([float("nan"), float("nan"), 20.8, 15.6])})
-    val = R.validation_metrics(result, ["ocr", "ocr", "pickscore", "pickscore"])
-    assert val == pytest.approx({
-        "val-core/ocr/reward/mean@1": 0.75, "val-aux/ocr/reward/ocr/mean@1": 0.75,
-        "val-core/pickscore/reward/mean@1": 0.7, "val-aux/pickscore/reward/pickscore/mean@1": 0.7,
-        "val-aux/pickscore/pickscore/raw/mean@1": 18.2})
-    train = R.training_metrics(result)
-    assert train == pytest.approx({"critic/rewards/mean": 0.725, "critic/rewards/max": 1.0, "critic/rewards/min": 0.5,
-                                   "critic/reward/ocr/mean": 0.75, "critic/reward/pickscore/mean": 0.7,
-                                   "critic/pickscore/raw/mean": 18.2})

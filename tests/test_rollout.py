@@ -236,3 +236,47 @@ def test_result_cat_pads_prompt_embeddings():
     assert joined.prompt_embeds.shape == (3, 5, 3)
     assert joined.prompt_mask.tolist()[0] == [1, 1, 0, 0, 0]
     assert joined.prompt_embeds[0, 2:].abs().sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA delivery (kept last: it leaves an adapter loaded in the shared Qwen-Image group)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_nonzero_lora_reaches_the_workers_and_unbindable_adapters_fail(groups, tiny_models, tmp_path):
+    """An adapter with non-zero B (zero-init B would hide a binding bug) exported under vllm-omni names reaches the
+    worker, binds exactly as many modules as the actor has, and changes the samples measurably; the rollout then
+    equals the in-process actor with the same adapter. A file with an unbindable tensor is refused loudly."""
+    from safetensors.torch import load_file, save_file
+
+    from models import lora
+
+    path = os.path.join(tiny_models, "qwen_image")
+    group = groups["qwen_image"]
+    actor = load_model(path)
+    n_modules = lora.add_lora(actor, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(0)
+    for layer in lora.lora_layers(actor.transformer, "default").values():
+        weight = layer.lora_B["default"].weight
+        weight.data.copy_(torch.randn(weight.shape, generator=g) * 0.5)
+    adapter_dir = str(tmp_path / "adapter-v1")
+    lora.export_adapter(actor.transformer, adapter_dir, engine_names=True)
+
+    request = request_for("qwen_image", noise_level=0.0, return_log_probs=False, return_trajectory=False,
+                          sde_window_size=None, sde_window_range=None)
+    base = group.generate(request)
+    assert group.load_adapter(adapter_dir, "v1") == [n_modules] * group.num_workers
+    tuned = group.generate(request)
+    assert tuned.metadata["adapter_version"] == "v1" and tuned.metadata["bound_modules"] == n_modules
+    assert (tuned.images.float() - base.images.float()).abs().mean() > 1.0
+    local = rollout.NativeEngine.__new__(rollout.NativeEngine)  # the actor itself as an engine, no reload
+    local.model, local.device, local.max_batch_size = actor, torch.device("cpu"), 8
+    local.adapter_version, local.bound_modules = "v1", n_modules
+    torch.testing.assert_close(local.generate(request).latents_clean, tuned.latents_clean, rtol=1e-4, atol=1e-4)
+
+    tensors = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    key = next(iter(tensors))
+    tensors[key.replace("transformer_blocks.0.", "transformer_blocks.99.")] = tensors[key].clone()
+    save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"))
+    with pytest.raises(RolloutError, match="bind to no LoRA module"):
+        group.load_adapter(adapter_dir, "v2")
