@@ -689,9 +689,11 @@ class CheckpointError(RuntimeError):
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
 # Flags that may change between a run and its resume (everything else is fingerprinted; new flags are protected).
+# Only bookkeeping / I/O flags: anything that can change a sampled number stays fingerprinted.
 RESUME_MUTABLE_KEYS: tuple[str, ...] = (
-    "resume", "total_steps", "total_training_steps", "save_every", "val_every", "test_freq", "log_every",
-    "output_dir", "log_dir", "ckpt_dir", "tensorboard_dir", "num_workers", "val_max_samples",
+    "resume", "total_steps", "total_training_steps", "save_every", "save_freq", "keep_last", "val_every",
+    "test_freq", "val_before_train", "num_val_images", "log_every", "output_dir", "log_dir", "ckpt_dir",
+    "tensorboard_dir", "num_workers", "val_max_samples", "rollout_timeout_s", "rollout_threads",
 )
 
 
