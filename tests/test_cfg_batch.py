@@ -103,6 +103,28 @@ def test_batched_cfg_would_catch_unmasked_padding(models, name, monkeypatch):
     assert rel_err(broken, sequential) > 100 * TOL
 
 
+@pytest.mark.parametrize("name", ("qwen_image", "boogu_image_edit"))
+def test_batched_cfg_gradients_equal_sequential(models, name):
+    """The trainer replays CFG with gradients: the weight gradients of both modes agree too."""
+    model = models[name]
+    latents, sigmas, prompt, negative, refs = inputs(model, name)
+    params = list(model.transformer.parameters())
+    grads = {}
+    try:
+        model.transformer.requires_grad_(True)
+        for mode in (False, True):
+            model.transformer.zero_grad(set_to_none=True)
+            model.cfg_batch = mode
+            model.guided_velocity(latents, sigmas, prompt, negative, SCALE, refs).square().mean().backward()
+            grads[mode] = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+    finally:
+        model.cfg_batch = False
+        model.transformer.zero_grad(set_to_none=True)
+        model.transformer.requires_grad_(False)
+    assert grads[True].numel() == grads[False].numel() > 0
+    assert rel_err(grads[True], grads[False]) < 10 * TOL
+
+
 def test_edit_batched_negative_keeps_reference(models):
     """Edit: the unconditional half of the doubled batch is negative text + reference latents."""
     model = models["boogu_image_edit"]
