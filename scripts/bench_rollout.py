@@ -336,6 +336,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="where checkpoints are built (default: a temp dir, removed)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument("--json", default=None, help="also write the raw timings and agreement numbers to this file")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny widths, batch 2, 64x64, 2 steps, 1 repeat (use with --device cpu)")
     args = p.parse_args(argv)
@@ -383,12 +384,22 @@ def main(argv=None) -> int:
                   f"~{row['tflop_per_forward']:.2f} TFLOP per sample-forward, ~{row['rollout_tflop']:.0f} TFLOP "
                   f"per rollout")
             rows.append(row)
+            report([row], args)  # partial results survive a later failure or time-out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    print("\n==== summary ====")
     ok = report(rows, args)
+    if args.json:
+        import json
+
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "rows": [{**row, "times": {str(k): v for k, v in row["times"].items()},
+                                                      "vel_times": {str(k): v for k, v in row["vel_times"].items()},
+                                                      "peaks": {str(k): v for k, v in row["peaks"].items()}}
+                                                     for row in rows]}, f, indent=2, default=str)
     print(f"\nratio = sequential median / this row's median (> 1: faster than the sequential-CFG baseline); "
           f"total wall time {time.perf_counter() - started:.0f}s")
     if not ok:
