@@ -295,12 +295,14 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_batch_size: int = 8, **model_kwargs: Any) -> None:
+                 max_batch_size: int = 8, cfg_batch: bool = False, **model_kwargs: Any) -> None:
         from models import load_model
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.model = load_model(model_path, device=device, dtype=dtype, **model_kwargs)
+        # cfg_batch: CFG as one transformer forward over [cond ; uncond] (FlowModel.guided_velocity); the trainer's
+        # replay must use the same mode (it is reported in every result's metadata as "cfg_batch").
+        self.model = load_model(model_path, device=device, dtype=dtype, cfg_batch=cfg_batch, **model_kwargs)
         self.model.transformer.requires_grad_(False)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
@@ -418,6 +420,7 @@ class NativeEngine:
             "num_inference_steps": steps,
             "sigmas": sigmas.cpu(),
             "guidance": scale,
+            "cfg_batch": model.cfg_batch,
             "noise_level": request.noise_level,
             "sde_type": request.sde_type,
             "window_size": width_w,
@@ -506,6 +509,8 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--cfg-batch", action="store_true",
+                        help="run CFG as one transformer forward over [cond ; uncond] instead of two")
     args = parser.parse_args(argv)
     _die_with_parent()
     if args.threads > 0:
@@ -514,7 +519,7 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     sys.stdout = sys.stderr  # anything printed by libraries goes to the log, never into the channel
     try:
         engine = build_engine(args.engine, args.model_path, device=args.device, dtype=getattr(torch, args.dtype),
-                              max_batch_size=args.max_batch_size)
+                              max_batch_size=args.max_batch_size, cfg_batch=args.cfg_batch)
         _send(channel_out, {"ok": True, "ready": True})
     except Exception as e:  # report the load failure to the parent, then exit
         _send(channel_out, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
@@ -575,7 +580,8 @@ class RolloutGroup:
 
     def __init__(self, model_path: str, devices: Sequence[str], *, engine: str = "native", dtype: str = "float32",
                  max_batch_size: int = 8, timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0,
-                 log_dir: str | None = None, threads_per_worker: int = 0, env: dict[str, str] | None = None) -> None:
+                 log_dir: str | None = None, threads_per_worker: int = 0, env: dict[str, str] | None = None,
+                 cfg_batch: bool = False) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
         if not devices:
@@ -599,7 +605,7 @@ class RolloutGroup:
                 log = open(log_path, "ab")
                 command = [sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
                            "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
-                           "--threads", str(threads_per_worker)]
+                           "--threads", str(threads_per_worker)] + (["--cfg-batch"] if cfg_batch else [])
                 # unbuffered: select() on the pipe then sees every byte the worker wrote
                 process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                            env=worker_env, bufsize=0)

@@ -116,9 +116,15 @@ class FlowModel:
     transformer: torch.nn.Module
     scheduler_config: dict[str, Any]
 
-    def __init__(self, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 cfg_batch: bool = False) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
+        # CFG mode of `guided_velocity`: False = two sequential transformer forwards (conditional, then
+        # unconditional); True = one forward over the doubled batch [cond ; uncond] (see `cfg_batch_inputs`).
+        # Both give the same velocity up to float tolerance; the rollout and the trainer's replay must use the same
+        # mode so that their kernels (and hence the rounding) match.
+        self.cfg_batch = bool(cfg_batch)
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property
@@ -183,6 +189,33 @@ class FlowModel:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    # ---- batched CFG ------------------------------------------------------------------------------------------
+    def cfg_batch_inputs(
+        self,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        prompt: PromptEmbeds,
+        negative: PromptEmbeds,
+        ref_latents: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, PromptEmbeds, torch.Tensor | None]:
+        """Inputs of ONE forward that evaluates the conditional and the unconditional branch together.
+
+        latents (B, ...) -> (2B, ...) = [latents ; latents]; sigmas (B,) -> (2B,); prompt and negative (B, L_p, D)
+        and (B, L_n, D) -> (2B, max(L_p, L_n), D), each right-padded with zeros and mask 0 (`PromptEmbeds.cat`);
+        ref_latents (B, C, h, w) -> (2B, C, h, w) (the negative keeps the reference: Boogu's text-only negative
+        in edit). Rows [0, B) are the conditional branch, rows [B, 2B) the unconditional one.
+        """
+        batch = latents.shape[0]
+        if len(prompt) != batch or len(negative) != batch:
+            raise ValueError(f"batched CFG needs one prompt and one negative row per latent row: got "
+                             f"{len(prompt)} prompt and {len(negative)} negative rows for {batch} latents")
+        sigmas = self.check_sigmas(sigmas, batch)
+        pair = PromptEmbeds.cat([
+            PromptEmbeds(p.embeds.to(self.device, self.dtype), p.mask.to(self.device)) for p in (prompt, negative)
+        ])
+        refs = None if ref_latents is None else torch.cat([ref_latents, ref_latents])
+        return torch.cat([latents, latents]), torch.cat([sigmas, sigmas]), pair, refs
 
     # ---- shared argument checks -------------------------------------------------------------------------------
     @staticmethod

@@ -848,8 +848,9 @@ class BooguImageModel(FlowModel):
 
     def __init__(self, *, transformer: nn.Module, text_encoder: nn.Module, processor: Any, vae: nn.Module,
                  scheduler_config: dict[str, Any], device: Union[torch.device, str] = "cpu",
-                 dtype: torch.dtype = torch.float32, freqs_cis: Optional[Sequence[torch.Tensor]] = None) -> None:
-        super().__init__(device=device, dtype=dtype)
+                 dtype: torch.dtype = torch.float32, freqs_cis: Optional[Sequence[torch.Tensor]] = None,
+                 cfg_batch: bool = False) -> None:
+        super().__init__(device=device, dtype=dtype, cfg_batch=cfg_batch)
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -864,14 +865,17 @@ class BooguImageModel(FlowModel):
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: Union[torch.device, str] = "cpu",
-                        dtype: torch.dtype = torch.float32, use_upstream_transformer: bool = False) -> "BooguImageModel":
+                        dtype: torch.dtype = torch.float32, use_upstream_transformer: bool = False,
+                        cfg_batch: bool = False) -> "BooguImageModel":
         """Load a Boogu-Image pipeline directory in `dtype` on `device`; every module is in eval mode with
         requires_grad off (trainers add LoRA parameters, or re-enable what they fine-tune).
 
         `use_upstream_transformer=True` imports the transformer class from the upstream `boogu` package instead
         of ours (raises ImportError when it is not importable; never a silent fallback). Upstream picks its
         attention kernels from the process environment variable `device` at import time (flash-attn and triton
-        when it contains "cuda" and they are installed, SDPA otherwise): set it before loading."""
+        when it contains "cuda" and they are installed, SDPA otherwise): set it before loading.
+
+        `cfg_batch=True` runs CFG as one forward over the doubled batch (see `guided_velocity`)."""
         from diffusers import AutoencoderKL
         from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
@@ -909,7 +913,8 @@ class BooguImageModel(FlowModel):
         for module in (transformer, text_encoder, vae):
             module.to(device).eval().requires_grad_(False)
         return cls(transformer=transformer, text_encoder=text_encoder, processor=processor, vae=vae,
-                   scheduler_config=scheduler_config, device=device, dtype=dtype, freqs_cis=freqs_cis)
+                   scheduler_config=scheduler_config, device=device, dtype=dtype, freqs_cis=freqs_cis,
+                   cfg_batch=cfg_batch)
 
     # ---- sizes and schedule ----------------------------------------------------------------------------------
     def validate_size(self, height: int, width: int) -> None:
@@ -1048,10 +1053,21 @@ class BooguImageModel(FlowModel):
                         width: Optional[int] = None) -> torch.Tensor:
         """Boogu text CFG with `guidance_scale` (released default 4.0): `pos + (s - 1) * (pos - neg)` in that
         order and in the model dtype, as the released pipeline computes it, then negated to fp32. In edit the
-        negative forward keeps the reference latents (text-only negative). scale <= 1 -> predict_velocity."""
+        negative forward keeps the reference latents (text-only negative). scale <= 1 -> predict_velocity.
+
+        `self.cfg_batch` False: two forwards (prompt, then negative). True: one forward over [latents ; latents]
+        with [prompt ; negative] right-padded to a common length and the reference latents duplicated
+        (`cfg_batch_inputs`), split back into pos and neg and combined by the same expression. Exact up to float
+        rounding: each sample's noise/reference RoPE positions start at its own valid instruction length (not the
+        padded width), padded instruction keys are masked in every attention, and the rest is per token."""
         self._check_latent_size(latents, height, width)
         if not self.check_guidance(scale, negative, "guidance_scale"):
             return self.predict_velocity(latents, sigmas, prompt, ref_latents)
-        pos = self._boogu_forward(latents, sigmas, prompt, ref_latents)
-        neg = self._boogu_forward(latents, sigmas, negative, ref_latents)
+        if self.cfg_batch:
+            b = latents.shape[0]
+            both = self._boogu_forward(*self.cfg_batch_inputs(latents, sigmas, prompt, negative, ref_latents))
+            pos, neg = both[:b], both[b:]
+        else:
+            pos = self._boogu_forward(latents, sigmas, prompt, ref_latents)
+            neg = self._boogu_forward(latents, sigmas, negative, ref_latents)
         return -(pos + (scale - 1.0) * (pos - neg)).float()

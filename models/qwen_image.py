@@ -104,8 +104,9 @@ class QwenImageModel(FlowModel):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_sequence_length: int = 512,
+        cfg_batch: bool = False,
     ) -> None:
-        super().__init__(device=device, dtype=dtype)
+        super().__init__(device=device, dtype=dtype, cfg_batch=cfg_batch)
         if not 1 <= max_sequence_length <= TOKENIZER_MAX_LENGTH:
             raise ValueError(f"max_sequence_length must be in [1, {TOKENIZER_MAX_LENGTH}], got {max_sequence_length}")
         self.transformer = transformer
@@ -133,8 +134,10 @@ class QwenImageModel(FlowModel):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_sequence_length: int = 512,
+        cfg_batch: bool = False,
     ) -> "QwenImageModel":
-        """Load transformer/, vae/, text_encoder/, tokenizer/ and the raw scheduler/scheduler_config.json."""
+        """Load transformer/, vae/, text_encoder/, tokenizer/ and the raw scheduler/scheduler_config.json.
+        `cfg_batch=True` runs true CFG as one forward over the doubled batch (see `guided_velocity`)."""
         for sub in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not os.path.isdir(os.path.join(path, sub)):
                 raise FileNotFoundError(f"{path} has no {sub}/ folder; expected a Qwen-Image pipeline directory")
@@ -152,7 +155,7 @@ class QwenImageModel(FlowModel):
         text_encoder.requires_grad_(False)
         return cls(
             transformer, vae, text_encoder, tokenizer, scheduler_config,
-            device=device, dtype=dtype, max_sequence_length=max_sequence_length,
+            device=device, dtype=dtype, max_sequence_length=max_sequence_length, cfg_batch=cfg_batch,
         )
 
     # ---- schedule ---------------------------------------------------------------------------------------------
@@ -290,11 +293,25 @@ class QwenImageModel(FlowModel):
         height: int | None = None,
         width: int | None = None,
     ) -> torch.Tensor:
-        """True CFG with the per-token norm rescale when scale > 1 (a negative is then required); else plain."""
+        """True CFG with the per-token norm rescale when scale > 1 (a negative is then required); else plain.
+
+        `self.cfg_batch` False: two forwards (prompt, then negative). True: one forward over [latents ; latents]
+        with [prompt ; negative] right-padded to a common length (`cfg_batch_inputs`), split back into cond and
+        uncond and combined by the same `losses.apply_cfg` call. Exact up to float rounding: in diffusers 0.40
+        `QwenImageTransformer2DModel` text token i always gets RoPE position (image extent + i) whatever the
+        padded width (the table is only longer), padded text keys are masked out of the joint attention
+        (`encoder_hidden_states_mask`, always passed here), and everything else in the text stream is per token.
+        """
         if not self.check_guidance(scale, negative, "true_cfg_scale"):
             return self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
-        cond = self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
-        uncond = self.predict_velocity(latents, sigmas, negative, ref_latents, height=height, width=width)
+        if self.cfg_batch:
+            b = latents.shape[0]
+            x2, sigmas2, pair, refs2 = self.cfg_batch_inputs(latents, sigmas, prompt, negative, ref_latents)
+            both = self.predict_velocity(x2, sigmas2, pair, refs2, height=height, width=width)
+            cond, uncond = both[:b], both[b:]
+        else:
+            cond = self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
+            uncond = self.predict_velocity(latents, sigmas, negative, ref_latents, height=height, width=width)
         return losses.apply_cfg(cond, uncond, scale, renorm=True)
 
     # ---- VAE --------------------------------------------------------------------------------------------------
