@@ -119,7 +119,7 @@ def main(argv=None) -> None:
                                  dtype=args.rollout_dtype if device.type == "cuda" else "float32",
                                  max_batch_size=args.rollout_max_batch_size, timeout_s=args.rollout_timeout_s,
                                  log_dir=os.path.join(args.output_dir, "rollout_logs"),
-                                 threads_per_worker=args.rollout_threads)
+                                 threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch)
     adapters_root = os.path.join(args.output_dir, "rollout_adapters")
     sync = lambda step: T.sync_rollout_adapter(  # noqa: E731
         rollout, model.transformer, T.ADAPTER_DEFAULT, lora_config, adapters_root, step, num_lora_modules,
