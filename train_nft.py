@@ -136,7 +136,8 @@ def main(argv=None) -> None:
         with T.timer("adv", timings):
             advantages, metrics = T.global_advantages(scored, args.rollout_n, global_std=args.global_std,
                                                       norm_by_std=args.norm_adv_by_std)
-            reward_prob = losses.reward_probability(advantages, adv_clip_max=args.adv_clip_max, adv_mode=args.adv_mode)
+            reward_prob = losses.reward_probability(advantages, adv_clip_max=args.adv_clip_max,
+                                                    adv_mode=args.adv_mode).to(device)
 
         # 3. update the `default` adapter
         x0 = result.latents_clean.to(device)
