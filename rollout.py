@@ -498,14 +498,14 @@ def vllm_omni_text(family: str, prompt: Any) -> str:
         return text
     from models.boogu_image import IMAGE_PLACEHOLDER, boogu_system_prompt
 
-    has_image = IMAGE_PLACEHOLDER in text
+    has_image = text.startswith(IMAGE_PLACEHOLDER)
     if has_image:
-        text = text.replace(IMAGE_PLACEHOLDER, "", 1)
+        text = text[len(IMAGE_PLACEHOLDER):]
     if system.get("content") != boogu_system_prompt(text, has_image) or IMAGE_PLACEHOLDER in text:
         raise ValueError("the vllm_omni engine takes Boogu message prompts only when they equal the released "
                          "[system, user] layout (system prompt by the T2I/TI2I rule, at most one leading <image>); "
                          "use --rollout_engine native for custom system prompts")
-    return text.strip() if has_image else text
+    return text
 
 
 def vllm_omni_prompt(family: str, request: RolloutRequest, row: int) -> dict[str, Any]:
