@@ -353,6 +353,10 @@ class RLBooguImagePipeline(BooguImagePipeline):
             num_images_per_prompt=1, device=device, max_sequence_length=sp.max_sequence_length or 1280,
             input_images=[[im] for im in prompt_images] if edit else None,
         )
+        # the stock encoder leaves padding positions unzeroed; the native engine (and the trainer's replay) zero them
+        embeds = embeds * mask[..., None].to(embeds.dtype)
+        if guided:
+            neg_embeds = neg_embeds * neg_mask[..., None].to(neg_embeds.dtype)
         h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
         latents = per_row_noise((self.transformer.in_channels, h, w), generators, device)
         refs = self._build_ref_latents(preprocessed, 1, device, generators) if edit else None  # drawn after noise

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -360,34 +359,6 @@ def test_parse_rejects_stock_and_error_outputs():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def vllm_linear():
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed import parallel_state
-    import vllm.lora.lora_model as lora_model_module
-
-    ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
-    ctx.__enter__()
-    if not parallel_state.model_parallel_is_initialized():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
-        initialize_model_parallel(1, 1)
-    saved = lora_model_module.PIN_MEMORY
-    lora_model_module.PIN_MEMORY = False  # no CUDA driver (see notes §9)
-    from vllm.model_executor.layers import linear
-
-    yield linear
-    lora_model_module.PIN_MEMORY = saved
-    ctx.__exit__(None, None, None)
-
-
 def _port_like_boogu(trainer_transformer: nn.Module, linear) -> nn.Module:
     """vLLM layers at the vllm-omni port's module paths for every LoRA'd trainer module: the trainer path
     translated by `models.lora.to_engine_name`, QKV and SwiGLU gate/up packed as in the port's
@@ -484,7 +455,7 @@ def _loop_engine(family: str, omni) -> VllmOmniEngine:
     return engine
 
 
-def test_trainer_adapter_binds_in_lora_manager_with_new_ids(tiny_models, vllm_linear, tmp_path):
+def test_trainer_adapter_binds_in_lora_manager_with_new_ids(tiny_models, vllm_cpu_layers, tmp_path):
     from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
 
     model = load_model(os.path.join(tiny_models, "boogu_image_base"))
@@ -500,7 +471,7 @@ def test_trainer_adapter_binds_in_lora_manager_with_new_ids(tiny_models, vllm_li
     assert "to_out.0" in raw["target_modules"]  # trainer names: the engine must translate them
     assert any(".processor.img_to_q." in k for k in load_file(str(tmp_path / "v1" / "adapter_model.safetensors")))
 
-    pipe = _port_like_boogu(model.transformer, vllm_linear)
+    pipe = _port_like_boogu(model.transformer, vllm_cpu_layers)
     manager = DiffusionLoRAManager(pipeline=pipe, device=torch.device("cpu"), dtype=torch.float32,
                                    max_cached_adapters=2)
     omni = _FakeAsyncOmni(_Worker(manager))
@@ -549,14 +520,14 @@ def test_trainer_adapter_binds_in_lora_manager_with_new_ids(tiny_models, vllm_li
     assert sp.lora_request.lora_int_id == 2 and sp.lora_request.lora_path.endswith("v2")
 
 
-def test_unbindable_adapter_fails_closed_with_a_clear_error(tiny_models, vllm_linear, tmp_path):
+def test_unbindable_adapter_fails_closed_with_a_clear_error(tiny_models, vllm_cpu_layers, tmp_path):
     from safetensors.torch import load_file, save_file
     from vllm_omni.diffusion.lora.manager import DiffusionLoRAManager
 
     model = load_model(os.path.join(tiny_models, "boogu_image_base"))
     lora.add_lora(model, rank=4, alpha=8)
     lora.export_adapter(model.transformer, str(tmp_path / "good"))
-    pipe = _port_like_boogu(model.transformer, vllm_linear)
+    pipe = _port_like_boogu(model.transformer, vllm_cpu_layers)
     manager = DiffusionLoRAManager(pipeline=pipe, device=torch.device("cpu"), dtype=torch.float32,
                                    max_cached_adapters=2)
     engine = _loop_engine("boogu_image", _FakeAsyncOmni(_Worker(manager)))
@@ -570,3 +541,45 @@ def test_unbindable_adapter_fails_closed_with_a_clear_error(tiny_models, vllm_li
     with pytest.raises(RuntimeError, match=r"vllm-omni rejected adapter .*binding is incomplete"):
         engine.load_adapter(str(bad), "v1")
     assert engine._lora_request is None and engine.bound_modules == 0
+
+
+def _boogu_pipeline(model, monkeypatch) -> vp.RLBooguImagePipeline:
+    """RLBooguImagePipeline with the tiny components in the stock attribute slots (`mllm`, `processor`, `vae`,
+    `transformer`); the port's RoPE table is replaced by the tiny model's (its transformer is ours, not the port)."""
+    from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
+
+    pipe = vp.RLBooguImagePipeline.__new__(vp.RLBooguImagePipeline)
+    nn.Module.__init__(pipe)
+    pipe.transformer, pipe.mllm, pipe.vae = model.transformer, model.text_encoder, model.vae
+    pipe.processor = model.processor
+    pipe._execution_device = torch.device("cpu")
+    pipe.vae_scale_factor, pipe.default_sample_size, pipe._is_turbo = 8, 128, False
+    pipe.SYSTEM_PROMPT_4_T2I = BOOGU_T2I_SYSTEM_PROMPT
+    pipe.SYSTEM_PROMPT_DROP = pipe.SYSTEM_PROMPT_4_TI2I = pipe.SYSTEM_PROMPT_4_I2I = BOOGU_TI2I_SYSTEM_PROMPT
+    pipe.rl_scheduler_config = model.scheduler_config
+    monkeypatch.setattr(vp.RLBooguImagePipeline, "rope_freqs", staticmethod(lambda transformer: model._freqs_cis))
+    return pipe
+
+
+def test_boogu_rl_pipeline_forward_matches_native_engine(tiny_models, monkeypatch):
+    """The whole RLBooguImagePipeline.forward (stock encode_prompt / predict / combine_cfg_noise / _decode_output)
+    on a real DiffusionRequestBatch, through the stock Boogu post-process and the formatter: equals
+    NativeEngine.generate (T2I with text CFG and an SDE window)."""
+    path = os.path.join(tiny_models, "boogu_image_base")
+    native_engine = NativeEngine(path)
+    request = _sde_request(guidance_scale=3.0)
+    native = native_engine.generate(request)
+
+    pipe = _boogu_pipeline(native_engine.model, monkeypatch)
+    batch = _batch(_engine_stub("boogu_image"), request)
+    outputs = pipe.forward(batch)
+    od_config = SimpleNamespace(model=path, model_class_name="BooguImagePipeline")
+    formatted = _format(outputs, batch, od_config, get_boogu_image_post_process_func(od_config))
+    parts = [rollout.parse_vllm_omni_output(r) for r in formatted]
+    result = rollout.assemble_vllm_omni_result(parts, request, family="boogu_image", adapter_version=None,
+                                               bound_modules=0)
+    assert result.window_starts == native.window_starts
+    for name in ("prompt_mask", "negative_mask", "prompt_embeds", "negative_embeds", "latents_clean", "all_latents",
+                 "all_timesteps", "all_log_probs"):
+        torch.testing.assert_close(getattr(result, name), getattr(native, name), msg=name)
+    assert (result.images.int() - native.images.int()).abs().max() <= 1
