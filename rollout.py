@@ -522,6 +522,12 @@ def vllm_omni_prompt(family: str, request: RolloutRequest, row: int) -> dict[str
             import PIL.Image
 
             image = PIL.Image.fromarray(image.permute(1, 2, 0).contiguous().cpu().numpy())
+        if (image.height, image.width) != (request.height, request.width):
+            raise ValueError(
+                f"reference image {image.width}x{image.height} != requested {request.width}x{request.height}: "
+                "vllm-omni's Boogu pre-process sets the output size from the reference (align_res), so the "
+                "vllm_omni engine needs references already at the output size; resize them first"
+            )
         out["multi_modal_data"] = {"image": image}
     return out
 

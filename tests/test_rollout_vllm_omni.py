@@ -74,10 +74,12 @@ def test_prompt_dicts_and_message_lists():
         rollout.vllm_omni_text("boogu_image", [{"role": "system", "content": BOOGU_TI2I_SYSTEM_PROMPT},
                                                {"role": "user", "content": "make <image> red"}])
     image = torch.randint(0, 255, (3, 16, 16), dtype=torch.uint8)
-    boogu = rollout.vllm_omni_prompt("boogu_image", _request(images=[image, None]), 0)
+    boogu = rollout.vllm_omni_prompt("boogu_image", _request(images=[image, None], height=16, width=16), 0)
     pil = boogu["multi_modal_data"]["image"]
     assert pil.size == (16, 16)
     assert torch.equal(torch.from_numpy(np.array(pil)).permute(2, 0, 1), image)
+    with pytest.raises(ValueError, match="align_res"):
+        rollout.vllm_omni_prompt("boogu_image", _request(images=[image, None], height=32, width=16), 0)
     with pytest.raises(ValueError, match="only supported for Boogu"):
         rollout.vllm_omni_prompt("qwen_image", _request(images=[image, None]), 0)
 

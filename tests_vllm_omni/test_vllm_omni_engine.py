@@ -583,3 +583,36 @@ def test_boogu_rl_pipeline_forward_matches_native_engine(tiny_models, monkeypatc
                  "all_timesteps", "all_log_probs"):
         torch.testing.assert_close(getattr(result, name), getattr(native, name), msg=name)
     assert (result.images.int() - native.images.int()).abs().max() <= 1
+
+
+def test_boogu_edit_rl_pipeline_forward_matches_native_engine(tiny_models, monkeypatch):
+    """Boogu edit (TI2I): the engine's prompt dict through vllm-omni's REAL Boogu pre-process (VLM copy + VAE
+    copy of the reference, align_res), then the RL forward (reference latents drawn from the request generator
+    after the noise, text-only negative keeping the reference): equals NativeEngine.generate."""
+    import build_tiny_models
+    from vllm_omni.diffusion.models.boogu_image.pipeline_boogu_image import get_boogu_image_pre_process_func
+
+    build_tiny_models.build_one("boogu_image_edit", tiny_models, force=False)
+    path = os.path.join(tiny_models, "boogu_image_edit")
+    native_engine = NativeEngine(path)
+    g = torch.Generator().manual_seed(7)
+    image = torch.randint(0, 255, (3, 32, 32), dtype=torch.uint8, generator=g)
+    request = _sde_request(guidance_scale=3.0, prompts=["make it red"], seeds=[21], negative_prompts=[""],
+                           images=[image])
+    native = native_engine.generate(request)
+
+    pipe = _boogu_pipeline(native_engine.model, monkeypatch)
+    od_config = SimpleNamespace(model=path, model_class_name="BooguImagePipeline")
+    pre = get_boogu_image_pre_process_func(od_config)
+    (prompt, sp), = _engine_stub("boogu_image").build_requests(request)
+    sp.generator = torch.Generator(device=sp.generator_device).manual_seed(sp.seed)
+    req = pre(OmniDiffusionRequest(prompt=prompt, sampling_params=sp, request_id="e0"))
+    assert (req.sampling_params.height, req.sampling_params.width) == (32, 32)
+    batch = DiffusionRequestBatch(requests=[req])
+    outputs = pipe.forward(batch)
+    formatted = _format(outputs, batch, od_config, get_boogu_image_post_process_func(od_config))
+    result = rollout.assemble_vllm_omni_result([rollout.parse_vllm_omni_output(r) for r in formatted], request,
+                                               family="boogu_image", adapter_version=None, bound_modules=0)
+    for name in ("prompt_mask", "prompt_embeds", "negative_embeds", "ref_latents", "latents_clean", "all_latents",
+                 "all_log_probs"):
+        torch.testing.assert_close(getattr(result, name), getattr(native, name), msg=name)
