@@ -699,6 +699,20 @@ def write_engine_adapter(adapter_dir: str, out_dir: str) -> int:
     return len(modules)
 
 
+def rpc_bound_counts(replies: Any) -> list[int]:
+    """The per-worker bound-module counts in an `AsyncOmni.collective_rpc("rl_bind_adapter")` reply (nested per
+    stage / per worker). An error or TODO dict from any replica raises."""
+    if isinstance(replies, bool):
+        raise RuntimeError(f"rl_bind_adapter answered {replies!r}, expected a module count")
+    if isinstance(replies, int):
+        return [replies]
+    if isinstance(replies, dict):
+        raise RuntimeError(f"rl_bind_adapter failed on a replica: {replies}")
+    if isinstance(replies, (list, tuple)):
+        return [c for r in replies for c in rpc_bound_counts(r)]
+    raise RuntimeError(f"rl_bind_adapter answered {replies!r}, expected a module count")
+
+
 def import_vllm_omni() -> Any:
     """vllm_omni, or a clear error naming the fix."""
     try:
@@ -781,12 +795,16 @@ class VllmOmniEngine:
 
         try:
             replies = self._run(register())
+            counts = rpc_bound_counts(replies)
+            if not counts or set(counts) != {expected}:
+                raise RuntimeError(f"vllm-omni bound {counts} modules per worker, the file has {expected}")
         except Exception as e:
+            try:  # do not leave the rejected adapter cached in the workers
+                self._run(self.omni.remove_lora(lora_id))
+            except Exception:
+                pass
             raise RuntimeError(f"vllm-omni rejected adapter {adapter_dir} (version {version}): {e}. Its module names "
                                "must bind to the pipeline's LoRA layers (vllm-omni's fail-closed bind check)") from e
-        counts = [r for r in replies if isinstance(r, int)]
-        if not counts or len(set(counts)) != 1 or counts[0] != expected:
-            raise RuntimeError(f"adapter {adapter_dir}: vllm-omni bound {replies} modules, the file has {expected}")
         if self._lora_request is not None:
             self._run(self.omni.remove_lora(self._lora_request.lora_int_id))
         self._lora_request, self.adapter_version, self.bound_modules = request, version, counts[0]

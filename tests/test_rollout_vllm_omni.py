@@ -159,3 +159,12 @@ def test_model_family_from_model_index(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(ValueError, match="FluxPipeline"):
         rollout.model_family(str(tmp_path))
+
+
+def test_rpc_bound_counts_flattens_and_fails_closed():
+    assert rollout.rpc_bound_counts([[12], [12]]) == [12, 12]
+    assert rollout.rpc_bound_counts([12]) == [12]
+    with pytest.raises(RuntimeError, match="failed on a replica"):
+        rollout.rpc_bound_counts([{"todo": True}])
+    with pytest.raises(RuntimeError, match="expected a module count"):
+        rollout.rpc_bound_counts([True])

@@ -541,6 +541,9 @@ def test_unbindable_adapter_fails_closed_with_a_clear_error(tiny_models, vllm_cp
     with pytest.raises(RuntimeError, match=r"vllm-omni rejected adapter .*binding is incomplete"):
         engine.load_adapter(str(bad), "v1")
     assert engine._lora_request is None and engine.bound_modules == 0
+    assert manager.list_adapters() == []  # the rejected adapter was removed again
+    # the good one still loads afterwards, under a new id
+    assert engine.load_adapter(str(tmp_path / "good"), "v2") > 0 and engine._lora_request.lora_int_id == 2
 
 
 def _boogu_pipeline(model, monkeypatch) -> vp.RLBooguImagePipeline:
