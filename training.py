@@ -20,7 +20,7 @@ Checkpoint layout (``<root>/step_00000012/``)::
 
     adapters/default/{adapter_config.json, adapter_model.safetensors}   # diffusers `load_lora_weights` loads it
     adapters/old/...
-    optimizer.pt        # full (unsharded) optimizer state dict, FQN keys (torch.distributed.checkpoint.state_dict)
+    optimizer.pt        # full (unsharded) optimizer state, keyed by parameter name (`optimizer_full_state`)
     rng.pt              # python / numpy / torch CPU / CUDA RNG states, one entry per rank
     trainer_state.json  # step, sampler cursor, config fingerprint + fingerprinted values, versions, trainer extras
     COMPLETE            # written last (JSON: step, file sizes); a directory without it is never loaded
@@ -28,7 +28,8 @@ Checkpoint layout (``<root>/step_00000012/``)::
 Rank 0 writes every file (state is gathered to it first); EVERY rank reads the checkpoint on load, so the checkpoint
 directory must be visible to all ranks (a shared filesystem, as for any multi-node torchrun job). The optimizer state
 is saved as one full state dict (not DCP shards): the trainable state is LoRA-sized, a full dict is resharding-free
-(a run may resume on the same world size only anyway, see `load_checkpoint`) and readable with plain `torch.load`.
+and readable with plain `torch.load`. It is gathered/scattered by our own two functions rather than torch's
+`get/set_optimizer_state_dict`, which fail on parameters without Adam state (a LoRA that never gets a gradient).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ __all__ = [
     "PromptSampler", "SamplerBatch",
     # checkpoints
     "config_fingerprint", "save_checkpoint", "find_latest", "load_checkpoint", "CheckpointError",
+    "optimizer_full_state", "load_optimizer_full_state_",
     # logging
     "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "perf_metrics",
     "image_grid", "Progress", "timer", "library_versions", "git_commit", "write_run_metadata",
@@ -446,30 +448,13 @@ def load_adapter_state_(transformer: nn.Module, adapter: str, state: Mapping[str
 
 def save_adapter_dir(state: Mapping[str, torch.Tensor], lora_config, out_dir: str, *,
                      engine_names: bool = False) -> None:
-    """Rank-0 half of an adapter export: write full tensors (from `adapter_state_dict`, gathered on every rank) as
-    a PEFT adapter directory in exactly `models.lora.export_adapter`'s format (trainer names, keys
-    "transformer.<path>.lora_A.weight" that diffusers' `load_lora_weights` selects, adapter_config.json, and the
-    diffusers `lora_adapter_metadata` header so diffusers applies alpha/r). `models.lora.export_adapter` itself
-    gathers AND writes on every rank, which a rank-0-only checkpoint writer cannot call.
-    engine_names=True writes vllm-omni module names (keys and target_modules, `models.lora.to_engine_name`)."""
-    from safetensors.torch import save_file
-
-    rename = lora.to_engine_name if engine_names else (lambda name: name)
-
-    os.makedirs(out_dir, exist_ok=True)
-    cfg = json.loads(json.dumps(lora_config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-    cfg.update(peft_type="LORA", inference_mode=True, use_dora=False, lora_bias=False,
-               target_modules=sorted(rename(t) for t in lora_config.target_modules))
-    with open(os.path.join(out_dir, lora.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    meta_keys = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "use_dora", "lora_bias")
-    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(
-        {f"transformer.{k}": cfg[k] for k in meta_keys if k in cfg}, sort_keys=True)}
-    tensors = {}
-    for key, value in sorted(state.items()):
-        module, suffix = key.rsplit(".lora_", 1)
-        tensors[f"transformer.{rename(module)}.lora_{suffix}"] = value.contiguous()
-    save_file(tensors, os.path.join(out_dir, lora.ADAPTER_WEIGHTS), metadata=metadata)
+    """Rank-0 half of an adapter export: write full tensors (from `adapter_state_dict`, gathered on every rank) as a
+    PEFT adapter directory with `models.lora.write_adapter_dir` (diffusers' `load_lora_weights` reads it;
+    engine_names=True writes vllm-omni names)."""
+    config = json.loads(json.dumps(lora_config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    config.update(peft_type="LORA", inference_mode=True, use_dora=False, lora_bias=False,
+                  target_modules=sorted(lora_config.target_modules))
+    lora.write_adapter_dir(dict(state), config, out_dir, engine_names=engine_names)
 
 
 def read_adapter_dir(path: str) -> dict[str, torch.Tensor]:
@@ -687,9 +672,11 @@ class CheckpointError(RuntimeError):
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
 # Flags that may change between a run and its resume (everything else is fingerprinted; new flags are protected).
+# Only bookkeeping / I/O flags: anything that can change a sampled number stays fingerprinted.
 RESUME_MUTABLE_KEYS: tuple[str, ...] = (
-    "resume", "total_steps", "total_training_steps", "save_every", "val_every", "test_freq", "log_every",
-    "output_dir", "log_dir", "ckpt_dir", "tensorboard_dir", "num_workers", "val_max_samples",
+    "resume", "total_steps", "total_training_steps", "save_every", "save_freq", "keep_last", "val_every",
+    "test_freq", "val_before_train", "num_val_images", "log_every", "output_dir", "log_dir", "ckpt_dir",
+    "tensorboard_dir", "num_workers", "val_max_samples", "rollout_timeout_s", "rollout_threads",
 )
 
 
@@ -753,6 +740,66 @@ def _file_sizes(root: str) -> dict[str, int]:
     return dict(sorted(sizes.items()))
 
 
+def optimizer_full_state(transformer: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state with full (unsharded) CPU tensors, keyed by parameter name. Collective.
+
+    {"state": {param name: {"step": 0-dim tensor, "exp_avg": full tensor, ...}}, "param_groups": [{hyper-params,
+    "params": [param names]}]}. Parameters that never received a gradient have no entry (AdamW creates none), e.g.
+    the text-stream LoRA of Qwen-Image's last block, whose output never reaches the image; torch's
+    `get/set_optimizer_state_dict` refuse or hang on such parameters, so this is done here, explicitly.
+    """
+    names = {id(p): n for n, p in transformer.named_parameters()}
+    groups, owned = [], []
+    for group in optimizer.param_groups:
+        if any(id(p) not in names for p in group["params"]):
+            raise ValueError("the optimizer holds parameters that are not parameters of the transformer")
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]})
+        owned += [(names[id(p)], p) for p in group["params"] if optimizer.state.get(p)]
+    with_state = [n for n, _ in owned]
+    everyone: list[Any] = [None] * get_world_size()
+    if dist.is_initialized() and get_world_size() > 1:
+        dist.all_gather_object(everyone, with_state)
+    else:
+        everyone = [with_state]
+    if any(e != with_state for e in everyone):  # the gathers below are collectives: every rank needs the same list
+        raise RuntimeError("ranks hold optimizer state for different parameters; cannot save a consistent checkpoint")
+    state = {}
+    for name, p in owned:
+        state[name] = {k: (_full(v).detach().to("cpu").clone() if torch.is_tensor(v) else v)
+                       for k, v in optimizer.state[p].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_full_state_(transformer: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """Inverse of `optimizer_full_state`: shard the saved tensors like their parameters and load them (no
+    communication; every rank holds `saved`). The parameter names per group must match exactly."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    names = {id(p): n for n, p in transformer.named_parameters()}
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"{len(saved['param_groups'])} saved param groups vs {len(optimizer.param_groups)} now")
+    state, groups, index = {}, [], 0
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        current = [names[id(p)] for p in group["params"]]
+        if current != saved_group["params"]:
+            diff = sorted(set(current) ^ set(saved_group["params"]))
+            raise ValueError(f"optimizer parameters differ from the checkpoint's (e.g. {diff[:3]}); other LoRA targets?")
+        ids = []
+        for name, p in zip(current, group["params"]):
+            if name in saved["state"]:
+                entry = {}
+                for k, v in saved["state"][name].items():
+                    if torch.is_tensor(v) and v.dim() > 0 and isinstance(p, DTensor):
+                        v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+                    entry[k] = v
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    optimizer.state.clear()
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
 def save_checkpoint(
     root: str,
     step: int,
@@ -774,17 +821,10 @@ def save_checkpoint(
     step directory. trainer_state: JSON-able extras (e.g. GradStepper.state_dict(), counters). keep_last: delete
     older complete checkpoints beyond this many.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     adapters = {name: adapter_state_dict(transformer, name) for name in adapter_names}
-    # Before the first optimizer step there is no state to save, and get_optimizer_state_dict would create it with
-    # a zero-lr step (advancing Adam's step count): save an explicit "no state" instead.
-    optim_state = (
-        get_optimizer_state_dict(transformer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if optimizer.state else None
-    )
+    optim_state = optimizer_full_state(transformer, optimizer)
     rng_states: list[Any] = [None] * get_world_size()
     if dist.is_initialized():
         dist.all_gather_object(rng_states, _rng_state())
@@ -799,7 +839,6 @@ def save_checkpoint(
             "step": int(step),
             "world_size": get_world_size(),
             "adapters": list(adapter_names),
-            "optimizer_state": optim_state is not None,
             "sampler": sampler.state_dict() if sampler is not None else None,
             "config_fingerprint": digest,
             "fingerprinted_config": values,
@@ -937,8 +976,6 @@ def load_checkpoint(
     differs; the message names each differing key with both values. RNG states are restored last, so the next
     random draw equals the uninterrupted run's.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     _verify_complete(path)
     try:
         with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
@@ -963,23 +1000,14 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path} holds adapters {state['adapters']}, this run expects {list(adapter_names)}")
     for name in adapter_names:
         load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name)))
-    optimizer.zero_grad(set_to_none=True)  # torch initialises missing optimizer state only when no grads exist
     error, optim_state, rng_states = None, {}, []
-    try:  # optimizer.pt: rank 0 reads, set_optimizer_state_dict broadcasts; rng.pt: every rank takes its entry
-        if get_rank() == 0:
-            optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
+    try:
+        optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
         rng_states = torch.load(os.path.join(path, "rng.pt"), map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001
-        error = CheckpointError(f"checkpoint {path}: cannot read optimizer.pt / rng.pt ({type(e).__name__}: {e})")
+        load_optimizer_full_state_(transformer, optimizer, optim_state)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        error = CheckpointError(f"checkpoint {path}: cannot restore optimizer.pt / rng.pt ({type(e).__name__}: {e})")
     _raise_if_any_rank_failed(error, f"load_checkpoint({path})")
-    if state["optimizer_state"]:
-        set_optimizer_state_dict(
-            transformer, optimizer, optim_state,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=get_world_size() > 1),
-        )
-    elif optimizer.state:
-        raise CheckpointError(f"checkpoint {path} holds no optimizer state but the optimizer has stepped already; "
-                              f"load checkpoints into a freshly built optimizer")
     if sampler is not None:
         if state["sampler"] is None:
             raise CheckpointError(f"checkpoint {path} holds no sampler state")
@@ -1415,13 +1443,8 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
     with timer("update_weights", timings):
         state = adapter_state_dict(transformer, adapter)
         path = os.path.join(root, f"v{version:08d}")
-        if is_main_process():
-            os.makedirs(root, exist_ok=True)
-            tmp = os.path.join(root, f".tmp-v{version:08d}-{uuid.uuid4().hex[:8]}")
-            save_adapter_dir(state, lora_config, tmp, engine_names=engine_names)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.rename(tmp, path)
+        if is_main_process():  # an atomic write: workers never see a half-written version
+            save_adapter_dir(state, lora_config, path, engine_names=engine_names)
             for old in sorted(d for d in os.listdir(root) if d.startswith("v"))[:-keep]:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         barrier()

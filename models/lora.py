@@ -291,36 +291,34 @@ def _adapter_config_dict(transformer: torch.nn.Module, adapter_name: str, layers
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()}
 
 
-def export_adapter(
-    transformer: torch.nn.Module,
+def write_adapter_dir(
+    tensors: dict[str, torch.Tensor],
+    config: dict,
     out_dir: str,
     *,
-    adapter_name: str = "default",
     engine_names: bool = False,
     key_prefix: str = "transformer.",
-) -> int:
-    """Write adapter `adapter_name` as a PEFT adapter directory, atomically (temp dir + rename).
+) -> None:
+    """Write a PEFT adapter directory atomically (temp dir + rename): `adapter_model.safetensors` with keys
+    `<key_prefix><module path>.lora_{A,B}.weight` and `adapter_config.json`, plus the diffusers
+    `lora_adapter_metadata` header (so `load_lora_weights` applies alpha/r).
 
-    engine_names=True writes vllm-omni names (keys and target_modules). key_prefix: "transformer." (diffusers /
-    vllm-omni) or "base_model.model." (PEFT). Returns the number of exported LoRA modules.
+    tensors: full CPU tensors keyed `<trainer module path>.lora_{A,B}.weight`; config: the PEFT LoraConfig dict
+    (trainer names). engine_names=True writes vllm-omni names, in the keys and in `target_modules` alike.
     """
     from safetensors.torch import save_file
 
     if key_prefix not in KEY_PREFIXES:
         raise ValueError(f"key_prefix must be one of {KEY_PREFIXES}, got {key_prefix!r}")
-    layers = lora_layers(transformer, adapter_name)
-    if not layers:
-        raise ValueError(f"the transformer has no LoRA adapter named {adapter_name!r}")
     rename = to_engine_name if engine_names else (lambda s: s)
-    tensors: dict[str, torch.Tensor] = {}
-    for path, layer in sorted(layers.items()):
-        if layer.use_dora.get(adapter_name, False):
-            raise ValueError("DoRA adapters cannot be exported (vllm-omni rejects them)")
-        p = key_prefix + rename(path)
-        tensors[p + ".lora_A.weight"] = _full(layer.lora_A[adapter_name].weight)
-        tensors[p + ".lora_B.weight"] = _full(layer.lora_B[adapter_name].weight)
-    config = _adapter_config_dict(transformer, adapter_name, layers)
-    config["target_modules"] = [rename(t) for t in config["target_modules"]]
+    out_tensors: dict[str, torch.Tensor] = {}
+    for key, value in sorted(tensors.items()):
+        module, sep, suffix = key.rpartition(".lora_")
+        if not sep or suffix not in ("A.weight", "B.weight"):
+            raise ValueError(f"adapter tensor key {key!r} is not '<module>.lora_A.weight' / '<module>.lora_B.weight'")
+        out_tensors[f"{key_prefix}{rename(module)}.lora_{suffix}"] = value.detach().to("cpu").contiguous()
+    config = dict(config)
+    config["target_modules"] = sorted(rename(t) for t in config["target_modules"])
     # diffusers reads the LoRA config from this metadata entry (keys prefixed by the component name)
     meta_keys = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias", "use_rslora", "use_dora", "lora_bias")
     diffusers_meta = {f"transformer.{k}": config[k] for k in meta_keys if k in config}
@@ -331,7 +329,7 @@ def export_adapter(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp.", dir=parent)
     try:
-        save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata=metadata)
+        save_file(out_tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata=metadata)
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True, default=str)
         old = None
@@ -344,7 +342,40 @@ def export_adapter(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return len(layers)
+
+
+def adapter_tensors(transformer: torch.nn.Module, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], dict]:
+    """(full CPU tensors keyed `<module path>.lora_{A,B}.weight`, PEFT config dict) of one adapter. Gathers FSDP2
+    DTensor shards, so every rank must call it."""
+    layers = lora_layers(transformer, adapter_name)
+    if not layers:
+        raise ValueError(f"the transformer has no LoRA adapter named {adapter_name!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path, layer in sorted(layers.items()):
+        if layer.use_dora.get(adapter_name, False):
+            raise ValueError("DoRA adapters cannot be exported (vllm-omni rejects them)")
+        tensors[f"{path}.lora_A.weight"] = _full(layer.lora_A[adapter_name].weight)
+        tensors[f"{path}.lora_B.weight"] = _full(layer.lora_B[adapter_name].weight)
+    return tensors, _adapter_config_dict(transformer, adapter_name, layers)
+
+
+def export_adapter(
+    transformer: torch.nn.Module,
+    out_dir: str,
+    *,
+    adapter_name: str = "default",
+    engine_names: bool = False,
+    key_prefix: str = "transformer.",
+) -> int:
+    """Write adapter `adapter_name` as a PEFT adapter directory (`adapter_tensors` + `write_adapter_dir`).
+
+    engine_names=True writes vllm-omni names (keys and target_modules). key_prefix: "transformer." (diffusers /
+    vllm-omni) or "base_model.model." (PEFT). Returns the number of exported LoRA modules. Under FSDP2 every rank
+    gathers; call `write_adapter_dir` on one rank to write once.
+    """
+    tensors, config = adapter_tensors(transformer, adapter_name)
+    write_adapter_dir(tensors, config, out_dir, engine_names=engine_names, key_prefix=key_prefix)
+    return len(tensors) // 2
 
 
 def read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E40
 
 def build(lora_seed: int, sharded: bool, device: str = "cpu"):
     torch.manual_seed(0)  # the base weights are the same pretrained checkpoint in every build
-    model = TinyFlowTransformer()
+    model = TinyFlowTransformer(skip_last_ff=True)  # blocks.2.ff's LoRA never gets a gradient / Adam state
     if device == "cuda":  # GPU check: bf16 base weights on the GPU, fp32 LoRA, bf16 compute via FSDP2's policy
         model.to(device=torch.cuda.current_device(), dtype=torch.bfloat16)
     torch.manual_seed(lora_seed)
@@ -143,6 +143,7 @@ def main() -> None:
         "resume_step": state["step"],
         "ckpt_path": path,
         "fused": bool(opt.defaults["fused"]),
+        "params_with_state": [len(opt.state), len(opt2.state), len(opt.param_groups[0]["params"])],
         "versions": T.library_versions(),
     }
     if info.rank == 0 and device == "cpu":  # unsharded reference on the full global batch

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Boogu-Image-0.1-Edit (TI2I), DiffusionNFT, PickScore on the edit instruction. One node, 4 GPUs:
+#   cuda:0,1,2  trainer ranks (torchrun, FSDP2 + LoRA; PickScore runs in each trainer process)   NPROC=3
+#   cuda:3      rollout worker (native engine, `old` adapter; edit requests carry the reference) ROLLOUT_DEVICES=cuda:3
+# No reward server: PickScore (open_clip ViT-H-14 with the PickScore_v1 weights) is local.
+# Data: python data_prep/boogu_image_edit_ocr.py --input_dir ~/data/ocr_edit \
+#         --output_dir ~/data/ocr/boogu_image_edit_pickscore --image_size 512 --reward pickscore
+#   (or synthesize one: python data_prep/make_text_edit_data.py --output_dir ~/data/ocr_edit ...)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL_PATH=${MODEL_PATH:-Boogu/Boogu-Image-0.1-Edit}
+REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-yuvalkirstain/PickScore_v1}
+PICKSCORE_PROCESSOR_PATH=${PICKSCORE_PROCESSOR_PATH:-laion/CLIP-ViT-H-14-laion2B-s32B-b79K}
+TRAIN_FILES=${TRAIN_FILES:-$HOME/data/ocr/boogu_image_edit_pickscore/train.parquet}
+VAL_FILES=${VAL_FILES:-$HOME/data/ocr/boogu_image_edit_pickscore/test.parquet}
+NPROC=${NPROC:-3}
+ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:3}
+OUTPUT_DIR=${OUTPUT_DIR:-outputs/boogu_image_edit_nft_lora}
+resolve() { python3 -c "import sys; from models import resolve_model_path; print(resolve_model_path(sys.argv[1]))" "$1"; }
+
+torchrun --nproc_per_node="$NPROC" train_nft.py \
+  --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
+  --rollout_devices "$ROLLOUT_DEVICES" \
+  --train_batch_size 24 --rollout_n 16 --ppo_mini_batch_size 12 --micro_batch_size 8 \
+  --lr 1e-4 --weight_decay 1e-4 --lora_rank 64 --lora_alpha 128 \
+  --height 512 --width 512 --num_inference_steps 10 --val_num_inference_steps 40 --max_sequence_length 512 \
+  --guidance_scale 4.0 \
+  --mix_beta 0.1 --ref_kl_coef 10.0 --adv_clip_max 1.0 --timestep_fraction 1.0 --adv_mode continuous \
+  --old_policy_decay_schedule delayed_linear_to_0_999 --old_policy_update_interval 2 \
+  --pickscore_path "$(resolve "$REWARD_MODEL_PATH")" --pickscore_processor_path "$(resolve "$PICKSCORE_PROCESSOR_PATH")" \
+  --total_training_steps 30 --test_freq 5 --save_freq 20 --val_max_samples 256 \
+  --output_dir "$OUTPUT_DIR" "$@"
