@@ -663,39 +663,20 @@ def assemble_vllm_omni_result(parts: Sequence[dict[str, Any]], request: RolloutR
 
 def write_engine_adapter(adapter_dir: str, out_dir: str) -> int:
     """Copy a PEFT adapter directory (trainer or vllm-omni names) to `out_dir` with vllm-omni module names (keys
-    `base_model.model.<engine path>.lora_{A,B}.weight`, translated `target_modules`), atomically. Returns the
-    number of modules."""
-    import shutil
-
-    from safetensors.torch import save_file
-
+    `base_model.model.<engine path>.lora_{A,B}.weight`, translated `target_modules`), atomically, through
+    `models.lora.write_adapter_dir`. Returns the number of modules."""
     from models import lora
 
-    config, modules = lora.read_adapter(adapter_dir)
+    config, modules = lora.read_adapter(adapter_dir)  # keys back in trainer names, whichever form the file had
     half = sorted(p for p, ab in modules.items() if set(ab) != {"A", "B"})
     if half:
         raise ValueError(f"{adapter_dir}: modules {half[:6]} lack lora_A or lora_B (both are required)")
-    tensors = {}
-    for path, ab in sorted(modules.items()):
-        key = "base_model.model." + lora.to_engine_name(path)
-        tensors[key + ".lora_A.weight"] = ab["A"].contiguous()
-        tensors[key + ".lora_B.weight"] = ab["B"].contiguous()
-    config = dict(config)
     targets = config.get("target_modules")
-    if isinstance(targets, (list, tuple)):
-        config["target_modules"] = lora.to_engine_targets(targets)
-    out_dir = os.path.abspath(out_dir)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp.", dir=os.path.dirname(out_dir))
-    try:
-        save_file(tensors, os.path.join(tmp, lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(tmp, lora.ADAPTER_CONFIG), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True, default=str)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if not isinstance(targets, (list, tuple)):
+        raise ValueError(f"{adapter_dir}: target_modules must be a list of module names, got {targets!r}")
+    config = dict(config, target_modules=lora.from_engine_targets(targets))
+    tensors = {f"{path}.lora_{x}.weight": ab[x] for path, ab in modules.items() for x in ("A", "B")}
+    lora.write_adapter_dir(tensors, config, out_dir, engine_names=True, key_prefix="base_model.model.")
     return len(modules)
 
 
