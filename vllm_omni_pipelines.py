@@ -291,6 +291,7 @@ class RLQwenImagePipeline(QwenImagePipeline):
         size = window_length(steps, rl["rl_sde_window_size"]) if stochastic else 0
 
         img_shapes = [[(1, h // 2, w // 2)]] * n
+        self.transformer.do_true_cfg = guided  # as the stock diffuse() sets it (read by the port's hooks)
         cond = self._rl_velocity(embeds, mask, img_shapes)
         uncond = self._rl_velocity(neg_embeds, neg_mask, img_shapes) if guided else None
 
