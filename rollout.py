@@ -752,6 +752,9 @@ class VllmOmniEngine:
             return AsyncOmni(**kwargs)
 
         self.omni = self._run(build())
+        import atexit
+
+        atexit.register(self.close)  # the worker process exits by returning: stop vllm-omni's stage processes
 
     def _run(self, coroutine: Any) -> Any:
         import asyncio
@@ -826,10 +829,13 @@ class VllmOmniEngine:
                                          bound_modules=self.bound_modules)
 
     def close(self) -> None:
+        """Shut vllm-omni down (its stage processes and workers); idempotent."""
         omni, self.omni = getattr(self, "omni", None), None
         if omni is not None:
             omni.shutdown()
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
 
 
 def build_engine(engine: str, model_path: str, **kwargs: Any):

@@ -660,3 +660,16 @@ def test_engine_generate_end_to_end_with_in_process_pipeline(tiny_models):
     # rows come back in request order even though the requests ran concurrently (the assert_close above is
     # row-wise; one request per sample also means batch-size-1 forwards, hence tolerance rather than bit equality)
     assert [c[1]["prompt"] for c in omni.calls] == request.prompts
+
+
+def test_engine_close_is_idempotent():
+    class _Omni:
+        shutdowns = 0
+
+        def shutdown(self):
+            _Omni.shutdowns += 1
+
+    engine = _loop_engine("qwen_image", _Omni())
+    engine.close()
+    engine.close()
+    assert _Omni.shutdowns == 1 and engine.omni is None
