@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -220,32 +219,7 @@ def test_target_matching_helpers():
 D = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def vllm_cpu_layers():
-    """vLLM linear layers need a VllmConfig and a TP group; on CPU: DeviceConfig('cpu') + a 1-rank gloo group."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    import vllm.lora.lora_model as lora_model_module
-
-    ctx = set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
-    ctx.__enter__()
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
-    initialize_model_parallel(1, 1)
-    # Without a detected platform vLLM assumes pinned memory is available; pinning needs a CUDA driver.
-    saved_pin = lora_model_module.PIN_MEMORY
-    lora_model_module.PIN_MEMORY = False
-    from vllm.model_executor.layers import linear
-
-    yield linear
-    lora_model_module.PIN_MEMORY = saved_pin
-    ctx.__exit__(None, None, None)
+# `vllm_cpu_layers` (vLLM config + 1-rank gloo TP group on CPU) lives in conftest.py, shared across files.
 
 
 def _build_pair(linear):
