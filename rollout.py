@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -80,6 +80,59 @@ def sde_window_starts(
 
 def window_length(num_steps: int, window_size: int | None) -> int:
     return num_steps - 1 if window_size is None else window_size
+
+
+def rl_denoise(
+    velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    generators: Sequence[torch.Generator],
+    window_starts: Sequence[int],
+    window_size: int,
+    *,
+    noise_level: float,
+    sde_type: str,
+    keep_trajectory: bool,
+    keep_log_probs: bool,
+) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """The sampling loop of both engines (native and the vllm-omni RL pipelines) over a batch of rows.
+
+    velocity_fn(latents (B, ...) fp32, sigma (B,) fp32) -> fp32 velocity v = eps - x0 (the model's CFG applied).
+    Row b steps with `noise_level` and noise from generators[b] inside [window_starts[b], +window_size), Euler
+    (no noise drawn) outside. Returns (final fp32 latents, per-row all_latents, all_timesteps, all_log_probs lists).
+    """
+    n, steps = latents.shape[0], sigmas.shape[0] - 1
+    timesteps = sigmas[:-1] * 1000
+    latents = latents.float()
+    all_latents: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    all_timesteps: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    all_log_probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for i in range(steps):
+        velocity = velocity_fn(latents, sigmas[i].expand(n)).float()
+        in_window = [window_starts[b] <= i < window_starts[b] + window_size for b in range(n)]
+        next_latents = torch.empty_like(latents)
+        for inside in (True, False):
+            rows = [b for b in range(n) if in_window[b] == inside]
+            if not rows:
+                continue
+            index = torch.as_tensor(rows, device=latents.device)
+            step = losses.sde_step(
+                latents[index], velocity[index], sigmas[i], sigmas[i + 1],
+                noise_level=noise_level if inside else 0.0, sde_type=sde_type, sigma_max=sigmas[1],
+                generator=[generators[b] for b in rows] if inside else None,
+            )
+            next_latents[index] = step.prev_sample
+            if inside:
+                for j, b in enumerate(rows):
+                    if keep_trajectory:
+                        if not all_latents[b]:
+                            all_latents[b].append(latents[b].float().cpu())
+                        all_latents[b].append(step.prev_sample[j].float().cpu())
+                        all_timesteps[b].append(timesteps[i].float().cpu())
+                    if keep_log_probs:
+                        all_log_probs[b].append(step.log_prob[j].float().cpu())
+        latents = next_latents
+    return latents, all_latents, all_timesteps, all_log_probs
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -373,43 +426,16 @@ class NativeEngine:
         ref_latents = model.encode_reference(request.images, generators) if edit else None
 
         sigmas = model.schedule(steps, height, width).to(self.device)
-        timesteps = sigmas[:-1] * 1000
         stochastic = request.noise_level > 0
         starts = sde_window_starts(steps, request.sde_window_size, request.sde_window_range, generators) \
             if stochastic else [steps] * n
         width_w = window_length(steps, request.sde_window_size) if stochastic else 0
         keep_trajectory = stochastic and request.return_trajectory
-        all_latents = [[] for _ in range(n)]
-        all_timesteps = [[] for _ in range(n)]
-        all_log_probs = [[] for _ in range(n)]
-
-        for i in range(steps):
-            sigma = sigmas[i].expand(n)
-            velocity = model.guided_velocity(latents, sigma, prompt, negative, scale, ref_latents,
-                                             height=height, width=width)
-            in_window = [starts[b] <= i < starts[b] + width_w for b in range(n)]
-            next_latents = torch.empty_like(latents)
-            for inside in (True, False):
-                rows = [b for b in range(n) if in_window[b] == inside]
-                if not rows:
-                    continue
-                index = torch.as_tensor(rows, device=self.device)
-                step = losses.sde_step(
-                    latents[index], velocity[index], sigmas[i], sigmas[i + 1],
-                    noise_level=request.noise_level if inside else 0.0, sde_type=request.sde_type,
-                    sigma_max=sigmas[1], generator=[generators[b] for b in rows] if inside else None,
-                )
-                next_latents[index] = step.prev_sample
-                if inside:
-                    for j, b in enumerate(rows):
-                        if keep_trajectory:
-                            if not all_latents[b]:
-                                all_latents[b].append(latents[b].float().cpu())
-                            all_latents[b].append(step.prev_sample[j].float().cpu())
-                            all_timesteps[b].append(timesteps[i].float().cpu())
-                        if request.return_log_probs:
-                            all_log_probs[b].append(step.log_prob[j].float().cpu())
-            latents = next_latents
+        velocity_fn = lambda x, sigma: model.guided_velocity(  # noqa: E731
+            x, sigma, prompt, negative, scale, ref_latents, height=height, width=width)
+        latents, all_latents, all_timesteps, all_log_probs = rl_denoise(
+            velocity_fn, latents, sigmas, generators, starts, width_w, noise_level=request.noise_level,
+            sde_type=request.sde_type, keep_trajectory=keep_trajectory, keep_log_probs=request.return_log_probs)
 
         images = model.decode(latents, height=height, width=width).cpu()
         metadata = {

@@ -41,7 +41,7 @@ import losses
 from models.base import per_row_noise
 from models.boogu_image import boogu_schedule_mu
 from models.qwen_image import pack_latents
-from rollout import VLLM_OMNI_RL_KEYS, sde_window_starts, window_length
+from rollout import VLLM_OMNI_RL_KEYS, rl_denoise, sde_window_starts, window_length
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.boogu_image.pipeline_boogu_image import BooguImagePipeline
@@ -103,59 +103,6 @@ def rl_settings(sampling_params_list: Sequence[Any]) -> dict[str, Any]:
             raise ValueError(f"requests batched together disagree on RL extra_args: {settings[0]} vs {other}; "
                              "send one RL setting per batch (vllm-omni's batch key does not separate them)")
     return settings[0]
-
-
-def rl_denoise(
-    velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    generators: Sequence[torch.Generator],
-    window_starts: Sequence[int],
-    window_size: int,
-    *,
-    noise_level: float,
-    sde_type: str,
-    keep_trajectory: bool,
-    keep_log_probs: bool,
-) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-    """The native engine's sampling loop over a batch of rows.
-
-    velocity_fn(latents (B, ...) fp32, sigma (B,) fp32) -> fp32 velocity v = eps - x0 (the model's CFG applied).
-    Row b steps with `noise_level` and noise from generators[b] inside [window_starts[b], +window_size), Euler
-    (no noise drawn) outside. Returns (final fp32 latents, per-row all_latents, all_timesteps, all_log_probs lists).
-    """
-    n, steps = latents.shape[0], sigmas.shape[0] - 1
-    timesteps = sigmas[:-1] * 1000
-    latents = latents.float()
-    all_latents: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    all_timesteps: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    all_log_probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for i in range(steps):
-        velocity = velocity_fn(latents, sigmas[i].expand(n)).float()
-        in_window = [window_starts[b] <= i < window_starts[b] + window_size for b in range(n)]
-        next_latents = torch.empty_like(latents)
-        for inside in (True, False):
-            rows = [b for b in range(n) if in_window[b] == inside]
-            if not rows:
-                continue
-            index = torch.as_tensor(rows, device=latents.device)
-            step = losses.sde_step(
-                latents[index], velocity[index], sigmas[i], sigmas[i + 1],
-                noise_level=noise_level if inside else 0.0, sde_type=sde_type, sigma_max=sigmas[1],
-                generator=[generators[b] for b in rows] if inside else None,
-            )
-            next_latents[index] = step.prev_sample
-            if inside:
-                for j, b in enumerate(rows):
-                    if keep_trajectory:
-                        if not all_latents[b]:
-                            all_latents[b].append(latents[b].float().cpu())
-                        all_latents[b].append(step.prev_sample[j].float().cpu())
-                        all_timesteps[b].append(timesteps[i].float().cpu())
-                    if keep_log_probs:
-                        all_log_probs[b].append(step.log_prob[j].float().cpu())
-        latents = next_latents
-    return latents, all_latents, all_timesteps, all_log_probs
 
 
 def request_outputs(
