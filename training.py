@@ -1534,7 +1534,8 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
     if rank == 0:
         logger.log_scalars(metrics, step)
         k = min(args.num_val_images, len(rows))
-        captions = [f"{row.ground_truth[:60]} | r={float(r):.3f}" for row, r in zip(rows[:k], scored.rewards[:k])]
+        user_text = lambda row: next((m["content"] for m in row.prompt if m.get("role") == "user"), "")  # noqa: E731
+        captions = [f"r={float(r):.3f} | {user_text(row)[:100]}" for row, r in zip(rows[:k], scored.rewards[:k])]
         logger.log_image("val/samples", image_grid(result.images[:k], captions), step)
         core = {key: v for key, v in metrics.items() if key.startswith("val-core/")}
         print(f"validation @ step {step}: " + ", ".join(f"{key} {v:.4f}" for key, v in core.items()), flush=True)
