@@ -372,16 +372,6 @@ class NativeEngine:
         return self.bound_modules
 
     # ---- generation -------------------------------------------------------------------------------------------
-    def _guidance(self, request: RolloutRequest) -> float:
-        family = self.model.family
-        if family == "boogu_image":
-            if request.true_cfg_scale is not None:
-                raise ValueError("Boogu-Image is guided by guidance_scale, not true_cfg_scale (a Qwen-Image knob)")
-            return 4.0 if request.guidance_scale is None else float(request.guidance_scale)
-        if request.guidance_scale is not None:
-            raise ValueError("Qwen-Image is guided by true_cfg_scale; guidance_scale is for guidance-distilled models")
-        return 4.0 if request.true_cfg_scale is None else float(request.true_cfg_scale)
-
     def _encode(self, prompts: Sequence[Any], images: Sequence[Any] | None):
         """Encode each distinct (prompt, image) once, then index the rows back (groups repeat prompts n times)."""
         keys, unique, unique_images, rows = {}, [], [], []
@@ -409,7 +399,7 @@ class NativeEngine:
         model, n = self.model, len(request)
         height, width, steps = request.height, request.width, request.num_inference_steps
         model.validate_size(height, width)
-        scale = self._guidance(request)
+        scale = self.model.resolve_guidance(request.guidance_scale, request.true_cfg_scale)
         guided = scale > 1.0
         if guided and request.negative_prompts is None:
             raise ValueError(

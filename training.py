@@ -1379,15 +1379,8 @@ def resolve_device(flag: str) -> str:
 
 
 def guidance_of(model, args) -> float:
-    """The CFG scale the model family uses: Boogu `guidance_scale`, Qwen `true_cfg_scale` (both default 4.0).
-    Setting the other family's knob is an error (it would otherwise be silently ignored)."""
-    if model.family == "boogu_image":
-        if args.true_cfg_scale is not None:
-            raise ValueError("Boogu-Image is guided by --guidance_scale; --true_cfg_scale is a Qwen-Image flag")
-        return 4.0 if args.guidance_scale is None else float(args.guidance_scale)
-    if args.guidance_scale is not None:
-        raise ValueError("Qwen-Image is guided by --true_cfg_scale; --guidance_scale is a Boogu-Image flag")
-    return 4.0 if args.true_cfg_scale is None else float(args.true_cfg_scale)
+    """The CFG scale of the run from --guidance_scale (Boogu-Image) / --true_cfg_scale (Qwen-Image)."""
+    return model.resolve_guidance(args.guidance_scale, args.true_cfg_scale)
 
 
 def rollout_request(rows: Sequence[Any], *, n: int, first_row: int, seed: int, step: int, num_inference_steps: int,

@@ -126,6 +126,17 @@ class FlowModel:
         # mode so that their kernels (and hence the rounding) match.
         self.cfg_batch = bool(cfg_batch)
 
+    def resolve_guidance(self, guidance_scale: float | None, true_cfg_scale: float | None) -> float:
+        """The CFG scale from the family's own knob: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`
+        (both default 4.0, the released pipelines' defaults). Setting the other family's knob is an error: it would
+        otherwise be ignored silently."""
+        own, other = ("guidance_scale", "true_cfg_scale") if self.family == "boogu_image" else (
+            "true_cfg_scale", "guidance_scale")
+        values = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}
+        if values[other] is not None:
+            raise ValueError(f"{self.family} is guided by {own}; {other} belongs to the other model family")
+        return 4.0 if values[own] is None else float(values[own])
+
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property
     def size_multiple(self) -> int:

@@ -80,3 +80,16 @@ def test_prompt_embeds_cat_and_index():
     c = PromptEmbeds.cat([a, b])
     assert c.embeds.shape == (3, 3, 4) and c.mask.tolist()[0] == [1, 1, 0] and float(c.embeds[0, 2].abs().sum()) == 0
     assert c.index([2, 0]).embeds[1, 0, 0] == 1
+
+
+def test_resolve_guidance_uses_the_family_knob_and_refuses_the_other():
+    from models.base import FlowModel
+
+    boogu, qwen = FlowModel(), FlowModel()
+    boogu.family, qwen.family = "boogu_image", "qwen_image"
+    assert boogu.resolve_guidance(None, None) == 4.0 and boogu.resolve_guidance(2.5, None) == 2.5
+    assert qwen.resolve_guidance(None, None) == 4.0 and qwen.resolve_guidance(None, 1.0) == 1.0
+    with pytest.raises(ValueError, match="guided by guidance_scale; true_cfg_scale"):
+        boogu.resolve_guidance(None, 4.0)
+    with pytest.raises(ValueError, match="guided by true_cfg_scale; guidance_scale"):
+        qwen.resolve_guidance(3.0, None)
