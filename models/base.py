@@ -184,7 +184,12 @@ class FlowModel:
         sigmas: torch.Tensor,
         prompt: PromptEmbeds,
         ref_latents: torch.Tensor | None = None,
+        *,
+        height: int | None = None,
+        width: int | None = None,
     ) -> torch.Tensor:
+        """fp32 velocity v = eps - x0 at per-sample sigmas (B,). height/width: the image size (packed layouts such
+        as Qwen-Image's cannot infer a non-square size from the latents; families that can only check it)."""
         raise NotImplementedError
 
     def guided_velocity(
@@ -195,10 +200,15 @@ class FlowModel:
         negative: PromptEmbeds | None,
         scale: float,
         ref_latents: torch.Tensor | None = None,
+        *,
+        height: int | None = None,
+        width: int | None = None,
     ) -> torch.Tensor:
+        """The family's CFG (scale <= 1: `predict_velocity`; scale > 1 without `negative`: ValueError)."""
         raise NotImplementedError
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, height: int | None = None, width: int | None = None) -> torch.Tensor:
+        """Latents in the native layout -> uint8 images (B, 3, H, W)."""
         raise NotImplementedError
 
     # ---- batched CFG ------------------------------------------------------------------------------------------
