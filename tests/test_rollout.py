@@ -2,6 +2,7 @@
 replay, seeding, LoRA delivery and failure handling."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -201,13 +202,17 @@ def _generate_in_thread(group: RolloutGroup, request: RolloutRequest):
 def test_killed_worker_gives_a_clear_error_and_no_orphan(tiny_models):
     group = RolloutGroup(os.path.join(tiny_models, "boogu_image_base"), ["cpu"], threads_per_worker=1, timeout_s=120)
     process = group.workers[0].process
-    big = request_for("boogu_image_base", n_per_prompt=8, num_inference_steps=8)
-    thread, outcome = _generate_in_thread(group, big)
-    time.sleep(1.0)
+    # Freeze the worker first so that it cannot answer before the kill, however fast the machine is
+    # (a timed kill alone raced a fast CI machine, which finished the request within the sleep).
+    os.kill(process.pid, signal.SIGSTOP)
+    thread, outcome = _generate_in_thread(group, request_for("boogu_image_base"))
+    time.sleep(1.0)  # the request is in the pipe (or the send is blocked on it): either way it is in flight
     os.kill(process.pid, signal.SIGKILL)
     thread.join(60)
+    assert not thread.is_alive() and "result" not in outcome
     assert isinstance(outcome.get("error"), RolloutError)
-    assert "died" in str(outcome["error"]) and "stderr tail" in str(outcome["error"])
+    assert re.search(r"died during generate|is gone", str(outcome["error"])), outcome["error"]
+    assert "stderr tail" in str(outcome["error"])
     assert process.poll() is not None and group.workers == []
 
 
