@@ -24,7 +24,6 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import select
 import signal
 import struct
@@ -35,11 +34,14 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 import losses
+
+if TYPE_CHECKING:
+    from models.base import Conditioning
 
 ENGINES = ("native", "vllm_omni")
 
@@ -279,6 +281,14 @@ class RolloutResult:
             ref_latents=pick(self.ref_latents), all_latents=pick(self.all_latents),
             all_timesteps=pick(self.all_timesteps), all_log_probs=pick(self.all_log_probs),
         )
+
+    def conditioning(self, device: torch.device | str) -> "Conditioning":
+        """The prompt / negative embeddings and reference latents the samples were generated with, on `device`:
+        what the trainer's forwards condition on (so they reproduce the rollout's velocities)."""
+        from models.base import Conditioning, PromptEmbeds
+
+        negative = None if self.negative_embeds is None else PromptEmbeds(self.negative_embeds, self.negative_mask)
+        return Conditioning(PromptEmbeds(self.prompt_embeds, self.prompt_mask), negative, self.ref_latents).to(device)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields (no copies), for the process boundary: `RolloutResult(**d)` rebuilds it."""
@@ -1154,6 +1164,9 @@ class DistributedRollout:
             # every rank must create every node's subgroup (a collective), then keep its own
             self.node_group, _ = dist.new_subgroups(group_size=local_world, backend="gloo")
             self.node_root = dist.get_global_rank(self.node_group, 0)
+            if world > local_world and group_kwargs.get("log_dir"):
+                # nodes share the output directory: each node's workers log into their own folder
+                group_kwargs["log_dir"] = os.path.join(group_kwargs["log_dir"], f"node{dist.get_rank() // local_world}")
         self.group = RolloutGroup(model_path, devices, **group_kwargs) if local_rank == 0 else None
         self._check_started()
 

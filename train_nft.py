@@ -21,18 +21,13 @@ One rollout step:
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 
 import losses
-import rewards
 import training as T
-from data_prep.dataset import PromptDataset
-from models import lora, resolve_model_path
-from models.base import PromptEmbeds
-from rollout import DistributedRollout
+from models import lora
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,67 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    config = vars(args)
-    # ---------------------------------------------------------------- setup
-    dist_info = T.init_distributed(T.resolve_device(args.device))
-    device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
-    T.seed_everything(args.seed)
-    logger = T.TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"))
-    T.write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger)
-
-    model_path = resolve_model_path(args.model_path)
-    model = T.load_flow_model(model_path, args, device)
-    scale = T.guidance_of(model, args)
-    targets = args.lora_target_modules.split(",") if args.lora_target_modules else list(model.default_lora_targets)
-    lora_config = T.prepare_transformer(
-        model.transformer, block_prefixes=model.lora_block_prefixes, target_modules=targets,
-        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, adapter_names=(T.ADAPTER_DEFAULT, T.ADAPTER_OLD),
-        device=device, precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-        init_lora_weights=T.parse_lora_init(args.lora_init_weights))
-    num_lora_modules = len(lora.lora_layers(model.transformer, T.ADAPTER_DEFAULT))
-    optimizer = T.build_optimizer(model.transformer, lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=tuple(float(b) for b in args.adam_betas.split(",")))
-    stepper = T.GradStepper(args.max_grad_norm)
-
-    train_data = PromptDataset(args.train_files, guidance=scale > 1.0)
-    val_data = PromptDataset(args.val_files, guidance=scale > 1.0) if args.val_files else None
-    sampler = T.PromptSampler(len(train_data), args.train_batch_size, seed=args.seed, rank=rank, world_size=world)
-    mini_prompts = args.ppo_mini_batch_size or args.train_batch_size
-    T.check_batch_sizes(args.train_batch_size, mini_prompts, args.rollout_n, args.micro_batch_size, world)
-    scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
-
-    start_step = 0
-    ckpt_root = os.path.join(args.output_dir, "checkpoints")
-    resume_from = T.resume_path(args.resume, ckpt_root)
-    if resume_from:
-        state = T.load_checkpoint(resume_from, transformer=model.transformer, optimizer=optimizer, config=config,
-                                  sampler=sampler, adapter_names=(T.ADAPTER_DEFAULT, T.ADAPTER_OLD))
-        start_step = state["step"]
-        stepper.load_state_dict(state["trainer_state"]["grad_stepper"])
-    else:
+    # ---------------------------------------------------------------- setup (training.setup_run)
+    run = T.setup_run(args, adapter_names=(T.ADAPTER_DEFAULT, T.ADAPTER_OLD))
+    model, device, rank, world, scale = run.model, run.device, run.rank, run.world, run.scale
+    if run.start_step == 0:
         lora.copy_adapter_(model.transformer, T.ADAPTER_DEFAULT, T.ADAPTER_OLD)  # rollouts start from the policy
-
-    rollout = DistributedRollout(model_path, args.rollout_devices.split(","), engine=args.rollout_engine,
-                                 dtype=args.rollout_dtype if device.type == "cuda" else "float32",
-                                 max_batch_size=args.rollout_max_batch_size, timeout_s=args.rollout_timeout_s,
-                                 log_dir=os.path.join(args.output_dir, "rollout_logs"),
-                                 threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch)
-    adapters_root = os.path.join(args.output_dir, "rollout_adapters")
-    sync = lambda step: T.sync_rollout_adapter(  # noqa: E731
-        rollout, model.transformer, T.ADAPTER_OLD, lora_config, adapters_root, step, num_lora_modules,
-        engine_names=args.rollout_engine == "vllm_omni")
-    sync(start_step)
-    validate = lambda step: T.validate(  # noqa: E731
-        model, rollout, scorer, val_data, args, step, scale, logger)
-    if args.val_before_train and val_data is not None and start_step == 0:
-        validate(0)
+    run.sync_rollout(T.ADAPTER_OLD, run.start_step)
+    if args.val_before_train and run.val_data is not None and run.start_step == 0:
+        run.validate(0)
 
     # ---------------------------------------------------------------- loop
-    progress = T.Progress(args.total_training_steps, start_step)
-    for step in range(start_step + 1, args.total_training_steps + 1):
+    for step in run.steps():
         step_start, timings = time.perf_counter(), {}
-        batch = sampler.next_batch()
-        rows = [train_data[i] for i in batch.local]
+        batch = run.sampler.next_batch()
+        rows = [run.train_data[i] for i in batch.local]
         n_local = len(rows) * args.rollout_n
 
         # 1. rollout with the `old` adapter, deterministic ODE
@@ -128,11 +76,11 @@ def main(argv=None) -> None:
                 rows, n=args.rollout_n, first_row=rank * n_local, seed=args.seed, step=step,
                 num_inference_steps=args.num_inference_steps, height=args.height, width=args.width,
                 family=model.family, scale=scale, noise_level=0.0)
-            result = rollout.generate(request)
+            result = run.rollout.generate(request)
 
         # 2. rewards -> advantages -> optimality probabilities
         with T.timer("reward", timings):
-            scored = T.score_samples(scorer, result.images, rows, args.rollout_n)
+            scored = T.score_samples(run.scorer, result.images, rows, args.rollout_n)
         with T.timer("adv", timings):
             advantages, metrics = T.global_advantages(scored, args.rollout_n, global_std=args.global_std,
                                                       norm_by_std=args.norm_adv_by_std)
@@ -141,34 +89,29 @@ def main(argv=None) -> None:
 
         # 3. update the `default` adapter
         x0 = result.latents_clean.to(device)
-        prompt = PromptEmbeds(result.prompt_embeds, result.prompt_mask).to(device)
-        negative = (PromptEmbeds(result.negative_embeds, result.negative_mask).to(device)
-                    if result.negative_embeds is not None else None)
-        ref_latents = result.ref_latents.to(device) if result.ref_latents is not None else None
+        cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
         schedule_timesteps = result.metadata["sigmas"][:-1] * 1000
         train_timesteps = losses.select_train_timesteps(
             schedule_timesteps.expand(n_local, -1), timestep_fraction=args.timestep_fraction,
             seed=args.timestep_shuffle_seed).to(device)
         num_k = train_timesteps.shape[1]
         accumulator = T.MetricAccumulator()
-        samples_per_mini = (mini_prompts // world) * args.rollout_n
+        samples_per_mini = (run.mini_prompts // world) * args.rollout_n
         with T.timer("update_actor", timings):
             for _ in range(args.ppo_epochs):
                 for mini in range(0, n_local, samples_per_mini):
                     micro_starts = range(mini, mini + samples_per_mini, args.micro_batch_size)
                     for micro in micro_starts:
                         rows_ = torch.arange(micro, micro + args.micro_batch_size, device=device)
-                        mb = dict(x0=x0[rows_], prompt=prompt.index(rows_),
-                                  negative=negative.index(rows_) if negative is not None else None,
-                                  ref=ref_latents[rows_] if ref_latents is not None else None)
+                        x0_mb, cond_mb = x0[rows_], cond.index(rows_)
                         for k in range(num_k):
                             t = train_timesteps[rows_, k].float() / 1000
-                            noise = torch.randn_like(mb["x0"])
-                            t_b = t.reshape(-1, *([1] * (mb["x0"].ndim - 1)))
-                            xt = (1 - t_b) * mb["x0"] + t_b * noise
+                            noise = torch.randn_like(x0_mb)
+                            t_b = t.reshape(-1, *([1] * (x0_mb.ndim - 1)))
+                            xt = (1 - t_b) * x0_mb + t_b * noise
                             forward = lambda: model.guided_velocity(  # noqa: E731
-                                xt, t, mb["prompt"], mb["negative"], scale, mb["ref"], height=args.height,
-                                width=args.width)
+                                xt, t, cond_mb.prompt, cond_mb.negative, scale, cond_mb.ref_latents,
+                                height=args.height, width=args.width)
                             with torch.no_grad():
                                 with T.use_adapter(model.transformer, T.ADAPTER_OLD):
                                     v_old = forward()
@@ -178,40 +121,23 @@ def main(argv=None) -> None:
                                         v_ref = forward()
                             v = forward()
                             loss, loss_metrics = losses.diffusion_nft_loss(
-                                v, v_old, mb["x0"], xt, t, reward_prob[rows_], mix_beta=args.mix_beta,
+                                v, v_old, x0_mb, xt, t, reward_prob[rows_], mix_beta=args.mix_beta,
                                 adv_clip_max=args.adv_clip_max, ref_prediction=v_ref, ref_kl_coef=args.ref_kl_coef,
                                 adaptive_weight_min=args.adaptive_weight_min)
                             (loss / (len(micro_starts) * num_k)).backward()
                             accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
-                    accumulator.add(stepper.step(optimizer))
+                    accumulator.add(run.stepper.step(run.optimizer))
 
         # 4. refresh the `old` adapter and sync it to the rollout workers
         old_metrics = T.old_policy_refresh(model.transformer, step, interval=args.old_policy_update_interval,
                                            schedule=args.old_policy_decay_schedule, decay=args.old_policy_decay)
-        timings.update(sync(step))
+        timings.update(run.sync_rollout(T.ADAPTER_OLD, step))
 
         # 5. logging, validation, checkpoint
         metrics.update(accumulator.reduce())
         metrics.update(old_metrics)
-        step_time = time.perf_counter() - step_start
-        metrics.update(timings)
-        metrics.update(T.perf_metrics(args.train_batch_size * args.rollout_n, step_time, world))
-        metrics["training/global_step"] = float(step)
-        metrics["training/epoch"] = float(batch.epoch)
-        if step % args.log_every == 0:
-            logger.log_scalars(metrics, step)
-        if rank == 0:
-            print(progress.line(step, step_time, metrics), flush=True)
-        if val_data is not None and ((args.test_freq and step % args.test_freq == 0) or step == args.total_training_steps):
-            validate(step)
-        if step % args.save_freq == 0 or step == args.total_training_steps:
-            T.save_checkpoint(ckpt_root, step, transformer=model.transformer, optimizer=optimizer,
-                              lora_config=lora_config, config=config, sampler=sampler,
-                              adapter_names=(T.ADAPTER_DEFAULT, T.ADAPTER_OLD),
-                              trainer_state={"grad_stepper": stepper.state_dict()}, keep_last=args.keep_last)
-    rollout.close()
-    logger.close()
-    T.cleanup_distributed()
+        run.end_step(step, metrics, timings, step_start, batch.epoch)
+    run.close()
 
 
 if __name__ == "__main__":

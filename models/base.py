@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -76,6 +77,55 @@ def read_json(path: str, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{what}: {path} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+@dataclass
+class Conditioning:
+    """What a velocity forward needs besides latents and sigmas: the prompt embeddings, the negative ones (None
+    when unguided) and the edit reference latents (None for text-to-image). Trainers take it from the rollout
+    (`RolloutResult.conditioning`) and slice it per micro-batch with `index`."""
+
+    prompt: PromptEmbeds
+    negative: PromptEmbeds | None = None
+    ref_latents: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> "Conditioning":
+        return Conditioning(self.prompt.to(device), None if self.negative is None else self.negative.to(device),
+                            None if self.ref_latents is None else self.ref_latents.to(device))
+
+    def index(self, rows: Sequence[int] | torch.Tensor) -> "Conditioning":
+        """The given rows of every part."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.prompt.embeds.device)
+        ref = None if self.ref_latents is None else self.ref_latents.index_select(0, rows.to(self.ref_latents.device))
+        return Conditioning(self.prompt.index(rows), None if self.negative is None else self.negative.index(rows), ref)
+
+
+class NotLoaded:
+    """Stands in for a pipeline component that `from_pretrained(..., transformer_only=True)` skipped.
+
+    Trainer ranks only run the transformer (prompt embeddings, reference latents and images come from the rollout
+    workers), so they skip the text encoder and the VAE: for Qwen-Image that saves the 7B Qwen2.5-VL encoder on
+    every trainer GPU. `config` keeps the component's config.json (the wrapper reads e.g. the VAE's scale factors
+    from it); any other use raises an error that names the component instead of failing deep inside a forward.
+    """
+
+    def __init__(self, name: str, config: dict[str, Any] | None = None) -> None:
+        self._name = name
+        self.config = SimpleNamespace(**(config or {}))
+
+    def _refuse(self) -> RuntimeError:
+        return RuntimeError(
+            f"the {self._name} was not loaded (transformer_only=True, as on trainer ranks, which only run the "
+            "transformer); encode prompts and images in a wrapper loaded without transformer_only (the rollout "
+            "workers)")
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise self._refuse()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse()
 
 
 def per_row_noise(shape: Sequence[int], generators: Sequence[torch.Generator], device: torch.device | str) -> torch.Tensor:

@@ -35,7 +35,7 @@ from diffusers.utils import USE_PEFT_BACKEND, scale_lora_layers, unscale_lora_la
 
 from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
 from losses import flow_sigmas, time_shift_mu
-from models.base import FlowModel, PromptEmbeds, per_row_noise, read_json, to_uint8
+from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8
 
 # ============================================================================================================
 # Part 1: the transformer
@@ -866,7 +866,7 @@ class BooguImageModel(FlowModel):
     @classmethod
     def from_pretrained(cls, path: str, *, device: Union[torch.device, str] = "cpu",
                         dtype: torch.dtype = torch.float32, use_upstream_transformer: bool = False,
-                        cfg_batch: bool = False) -> "BooguImageModel":
+                        cfg_batch: bool = False, transformer_only: bool = False) -> "BooguImageModel":
         """Load a Boogu-Image pipeline directory in `dtype` on `device`; every module is in eval mode with
         requires_grad off (trainers add LoRA parameters, or re-enable what they fine-tune).
 
@@ -875,7 +875,11 @@ class BooguImageModel(FlowModel):
         attention kernels from the process environment variable `device` at import time (flash-attn and triton
         when it contains "cuda" and they are installed, SDPA otherwise): set it before loading.
 
-        `cfg_batch=True` runs CFG as one forward over the doubled batch (see `guided_velocity`)."""
+        `cfg_batch=True` runs CFG as one forward over the doubled batch (see `guided_velocity`).
+
+        `transformer_only=True` (trainer ranks) skips the MLLM and the VAE weights (`models.base.NotLoaded` keeps
+        their configs): velocities, schedules and sizes work, prompt encoding, reference encoding and decoding
+        raise."""
         from diffusers import AutoencoderKL
         from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
@@ -906,12 +910,17 @@ class BooguImageModel(FlowModel):
         if use_upstream_transformer:
             cfg = transformer.config
             freqs_cis = BooguImageRotaryPosEmbed.get_freqs_cis(cfg.axes_dim_rope, cfg.axes_lens, theta=10000)
-        mllm = Qwen3VLForConditionalGeneration.from_pretrained(os.path.join(path, "mllm"), dtype=dtype)
-        text_encoder = mllm.model  # the released pipeline drops lm_head (only its optional prompt rewriter needs it)
         processor = Qwen3VLProcessor.from_pretrained(os.path.join(path, "processor"))
-        vae = AutoencoderKL.from_pretrained(os.path.join(path, "vae"), torch_dtype=dtype)
-        for module in (transformer, text_encoder, vae):
-            module.to(device).eval().requires_grad_(False)
+        if transformer_only:
+            text_encoder = NotLoaded("MLLM (text encoder)")
+            vae = NotLoaded("VAE", read_json(os.path.join(path, "vae", "config.json"), "VAE config"))
+            transformer.to(device).eval().requires_grad_(False)
+        else:
+            mllm = Qwen3VLForConditionalGeneration.from_pretrained(os.path.join(path, "mllm"), dtype=dtype)
+            text_encoder = mllm.model  # the released pipeline drops lm_head (only its prompt rewriter needs it)
+            vae = AutoencoderKL.from_pretrained(os.path.join(path, "vae"), torch_dtype=dtype)
+            for module in (transformer, text_encoder, vae):
+                module.to(device).eval().requires_grad_(False)
         return cls(transformer=transformer, text_encoder=text_encoder, processor=processor, vae=vae,
                    scheduler_config=scheduler_config, device=device, dtype=dtype, freqs_cis=freqs_cis,
                    cfg_batch=cfg_batch)

@@ -20,7 +20,7 @@ import torch
 
 import losses
 from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
-from models.base import FlowModel, PromptEmbeds, per_row_noise, read_json, to_uint8
+from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8
 
 # The pipeline's prompt template and the number of tokens of its prefix (system turn + "<|im_start|>user\n").
 PROMPT_PREFIX = f"<|im_start|>system\n{QWEN_IMAGE_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
@@ -135,9 +135,12 @@ class QwenImageModel(FlowModel):
         dtype: torch.dtype = torch.float32,
         max_sequence_length: int = 512,
         cfg_batch: bool = False,
+        transformer_only: bool = False,
     ) -> "QwenImageModel":
         """Load transformer/, vae/, text_encoder/, tokenizer/ and the raw scheduler/scheduler_config.json.
-        `cfg_batch=True` runs true CFG as one forward over the doubled batch (see `guided_velocity`)."""
+        `cfg_batch=True` runs true CFG as one forward over the doubled batch (see `guided_velocity`).
+        `transformer_only=True` (trainer ranks) skips the text encoder and the VAE weights (`models.base.NotLoaded`
+        keeps their configs): velocities, schedules and sizes work, prompt encoding and decoding raise."""
         for sub in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
             if not os.path.isdir(os.path.join(path, sub)):
                 raise FileNotFoundError(f"{path} has no {sub}/ folder; expected a Qwen-Image pipeline directory")
@@ -146,13 +149,19 @@ class QwenImageModel(FlowModel):
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
-        vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(path, "text_encoder"), dtype=dtype)
         tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(path, "tokenizer"))
-        for m in (transformer, vae, text_encoder):
-            m.to(device).eval()
-        vae.requires_grad_(False)
-        text_encoder.requires_grad_(False)
+        if transformer_only:
+            vae = NotLoaded("VAE", read_json(os.path.join(path, "vae", "config.json"), "VAE config"))
+            text_encoder = NotLoaded("text encoder")
+            transformer.to(device).eval()
+        else:
+            vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
+            text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(os.path.join(path, "text_encoder"),
+                                                                              dtype=dtype)
+            for m in (transformer, vae, text_encoder):
+                m.to(device).eval()
+            vae.requires_grad_(False)
+            text_encoder.requires_grad_(False)
         return cls(
             transformer, vae, text_encoder, tokenizer, scheduler_config,
             device=device, dtype=dtype, max_sequence_length=max_sequence_length, cfg_batch=cfg_batch,

@@ -93,3 +93,58 @@ def test_resolve_guidance_uses_the_family_knob_and_refuses_the_other():
         boogu.resolve_guidance(None, 4.0)
     with pytest.raises(ValueError, match="guided by true_cfg_scale; guidance_scale"):
         qwen.resolve_guidance(3.0, None)
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_edit"])
+def test_transformer_only_wrapper_matches_full_and_refuses_encoding(tiny_models, name):
+    """Trainer ranks load only the transformer: same guided velocity (CFG, edit references), schedule and size
+    rules as the full wrapper; prompt encoding, reference encoding and decoding fail with an error naming the
+    skipped component instead of an AttributeError deep inside a forward."""
+    from PIL import Image
+
+    path = os.path.join(tiny_models, name)
+    full = load_model(path)
+    slim = load_model(path, transformer_only=True)
+    assert type(slim.text_encoder).__name__ == "NotLoaded" and type(slim.vae).__name__ == "NotLoaded"
+    slim.transformer.load_state_dict(full.transformer.state_dict())
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    prompt = full.encode_prompt(["a red sign that says OPEN", "two cats"])
+    negative = full.encode_prompt(["", ""] if full.family == "boogu_image" else [" ", " "])
+    refs = None
+    if name == "boogu_image_edit":
+        refs = full.encode_reference([Image.new("RGB", (64, 64), "red")] * 2, generators)
+    x = full.prepare_noise(64, 64, generators)
+    sigmas = torch.tensor([0.9, 0.4])
+    expected = full.guided_velocity(x, sigmas, prompt, negative, 4.0, refs, height=64, width=64)
+    got = slim.guided_velocity(x, sigmas, prompt, negative, 4.0, refs, height=64, width=64)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.equal(slim.schedule(10, 64, 64), full.schedule(10, 64, 64))
+    assert slim.vae_scale_factor == full.vae_scale_factor and slim.size_multiple == full.size_multiple
+    with pytest.raises(RuntimeError, match="text encoder.*not loaded.*transformer_only"):
+        slim.encode_prompt(["a red sign"])
+    with pytest.raises(RuntimeError, match="VAE was not loaded"):
+        slim.decode(x, height=64, width=64)
+    if name == "boogu_image_edit":
+        with pytest.raises(RuntimeError, match="VAE was not loaded"):
+            slim.encode_reference([Image.new("RGB", (64, 64), "red")], generators[:1])
+
+
+def test_conditioning_index_keeps_rows_aligned_and_none_parts():
+    from models.base import Conditioning
+    from rollout import RolloutResult
+
+    n = 4
+    embeds = torch.arange(n, dtype=torch.float32).view(n, 1, 1).expand(n, 3, 2).clone()
+    mask = torch.tensor([[1, 1, 0]] * n)
+    result = RolloutResult(images=torch.zeros(n, 3, 2, 2, dtype=torch.uint8), latents_clean=torch.zeros(n, 4),
+                           prompt_embeds=embeds, prompt_mask=mask, negative_embeds=-embeds, negative_mask=mask,
+                           ref_latents=torch.arange(n, dtype=torch.float32).view(n, 1, 1, 1) + 10,
+                           seeds=list(range(n)), metadata={})
+    cond = result.conditioning("cpu")
+    part = cond.index(torch.tensor([3, 1]))
+    assert part.prompt.embeds[:, 0, 0].tolist() == [3.0, 1.0]
+    assert part.negative.embeds[:, 0, 0].tolist() == [-3.0, -1.0]
+    assert part.ref_latents.flatten().tolist() == [13.0, 11.0]
+    assert part.prompt.mask.tolist() == [[1, 1, 0], [1, 1, 0]]
+    unguided = Conditioning(PromptEmbeds(embeds, mask)).index([0])
+    assert unguided.negative is None and unguided.ref_latents is None
