@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-outputs/gpu_smoke}
 mkdir -p "$OUT"
 export TINY_MODELS_DIR=${TINY_MODELS_DIR:-.cache/tiny_models}
-python3 scripts/build_tiny_models.py --out "$TINY_MODELS_DIR"
+python3 scripts/build_tiny_models.py --out "$TINY_MODELS_DIR" --only qwen_image boogu_image_base
 python3 data_prep/make_demo_data.py --model qwen_image --output_dir "$OUT/data_qwen"
 python3 data_prep/make_demo_data.py --model boogu_image --output_dir "$OUT/data_boogu"
 COMMON=(--device cuda --precision bf16 --rollout_devices cuda:1 --rollout_dtype bfloat16 --height 128 --width 128
