@@ -119,11 +119,12 @@ fi
 [[ -x "$venv_py" ]] || die "venv python missing at $venv_py"
 
 # The machine's pip config lists file:// indexes that lack most of these names; drop pip's per-name notice
-# about them (noise only) and keep every other line, checking pip's own exit status.
+# about them (noise only) and keep every other line, checking pip's own exit status. (grep exits 1 when pip prints
+# nothing, hence the `|| true`: only pip's status counts.)
 # shellcheck disable=SC2086
 set +o pipefail
 "$venv_py" -m pip install --quiet --no-deps --disable-pip-version-check $PINNED 2>&1 \
-    | grep -v "is ignored: it is neither a file nor a directory"
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 pip_status=${PIPESTATUS[0]}
 set -o pipefail
 [[ $pip_status -eq 0 ]] || die "pip install into $VENV_DIR failed (exit $pip_status)"
