@@ -25,6 +25,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -33,12 +34,13 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 import losses
+from models.base import PromptEmbeds
 
 if TYPE_CHECKING:
     from models.base import Conditioning
@@ -124,15 +126,21 @@ def rl_denoise(
                 generator=[generators[b] for b in rows] if inside else None,
             )
             next_latents[index] = step.prev_sample
-            if inside:
+            if inside and (keep_trajectory or keep_log_probs):
+                # one device->host copy per stored tensor and step, not one per row
+                if keep_trajectory:
+                    before, after = latents[index].float().cpu(), step.prev_sample.float().cpu()
+                    timestep = timesteps[i].float().cpu()
+                if keep_log_probs:
+                    log_probs = step.log_prob.float().cpu()
                 for j, b in enumerate(rows):
                     if keep_trajectory:
                         if not all_latents[b]:
-                            all_latents[b].append(latents[b].float().cpu())
-                        all_latents[b].append(step.prev_sample[j].float().cpu())
-                        all_timesteps[b].append(timesteps[i].float().cpu())
+                            all_latents[b].append(before[j])
+                        all_latents[b].append(after[j])
+                        all_timesteps[b].append(timestep)
                     if keep_log_probs:
-                        all_log_probs[b].append(step.log_prob[j].float().cpu())
+                        all_log_probs[b].append(log_probs[j])
         latents = next_latents
     return latents, all_latents, all_timesteps, all_log_probs
 
@@ -173,6 +181,11 @@ class RolloutRequest:
     return_trajectory: bool = False
     generator_device: str = "cpu"
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (no copies; `dataclasses.asdict` would deep-copy every reference image), for
+        the process boundary: `from_dict` rebuilds it."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
         """Build from a plain dict; unknown keys are an error (a typo must not silently use a default)."""
@@ -204,7 +217,7 @@ class RolloutRequest:
         if self.return_log_probs and self.noise_level == 0:
             raise ValueError("return_log_probs needs noise_level > 0 (an ODE rollout has no transition density)")
         if self.sde_window_size is not None:
-            window_length(self.num_inference_steps, self.sde_window_size)
+            sde_window_starts(self.num_inference_steps, self.sde_window_size, self.sde_window_range, [])
         if self.noise_level > 0 and self.sde_window_size is None and self.num_inference_steps < 2:
             raise ValueError("an SDE rollout without sde_window_size needs num_inference_steps >= 2")
 
@@ -313,10 +326,8 @@ class RolloutResult:
             masks = [getattr(p, mask_name) for p in parts]
             if all(e is None for e in embeds):
                 return None, None
-            length = max(e.shape[1] for e in embeds)
-            embeds = [torch.nn.functional.pad(e, (0, 0, 0, length - e.shape[1])) for e in embeds]
-            masks = [torch.nn.functional.pad(m, (0, length - m.shape[1])) for m in masks]
-            return torch.cat(embeds), torch.cat(masks)
+            joined = PromptEmbeds.cat([PromptEmbeds(e, m) for e, m in zip(embeds, masks)])
+            return joined.embeds, joined.mask
 
         metadata = dict(parts[0].metadata)
         for p in parts[1:]:
@@ -490,20 +501,6 @@ VLLM_OMNI_PIPELINES = {
 VLLM_OMNI_WORKER_EXTENSION = "vllm_omni_pipelines.RLWorkerExtension"
 
 
-def model_family(model_path: str) -> str:
-    """"qwen_image" | "boogu_image" from the checkpoint's model_index.json `_class_name`."""
-    path = os.path.join(model_path, "model_index.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            name = json.load(f).get("_class_name")
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is missing or unreadable ({e}); pass a diffusers-layout checkpoint") from e
-    families = {"QwenImagePipeline": "qwen_image", "BooguImagePipeline": "boogu_image"}
-    if name not in families:
-        raise ValueError(f"{path}: _class_name={name!r} is not one of {sorted(families)}")
-    return families[name]
-
-
 def vllm_omni_text(family: str, prompt: Any) -> str:
     """The text prompt the stock vllm-omni encoders take for one of our prompts.
 
@@ -660,11 +657,8 @@ def assemble_vllm_omni_result(parts: Sequence[dict[str, Any]], request: RolloutR
     def padded(name: str, mask_name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if parts[0][name] is None:
             return None, None
-        length = max(p[name].shape[0] for p in parts)
-        embeds = torch.stack([torch.nn.functional.pad(p[name], (0, 0, 0, length - p[name].shape[0])) for p in parts])
-        masks = torch.stack([torch.nn.functional.pad(p[mask_name], (0, length - p[mask_name].shape[0]))
-                             for p in parts])
-        return embeds, masks
+        joined = PromptEmbeds.cat([PromptEmbeds(p[name][None], p[mask_name][None]) for p in parts])
+        return joined.embeds, joined.mask
 
     for p in parts[1:]:
         if not torch.equal(p["sigmas"], parts[0]["sigmas"]):
@@ -749,15 +743,20 @@ class VllmOmniEngine:
     name = "vllm_omni"
 
     def __init__(self, model_path: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 max_batch_size: int = 8, **engine_kwargs: Any) -> None:
+                 max_batch_size: int = 8, cfg_batch: bool = False, **engine_kwargs: Any) -> None:
         import asyncio
 
+        if cfg_batch:  # the RL pipelines run the two CFG branches sequentially; the replay must match the rollout
+            raise ValueError("the vllm_omni engine runs CFG as two sequential forwards; drop --cfg_batch so the "
+                             "trainer's replay uses the same CFG mode as the rollout")
         import_vllm_omni()
         from vllm_omni.entrypoints.async_omni import AsyncOmni
 
         if not str(device).startswith("cuda"):
             raise ValueError(f"the vllm_omni engine runs on CUDA GPUs only, got device={device!r}; use the native "
                              "engine on CPU")
+        from models import model_family
+
         self.family = model_family(model_path)
         self.model_path = model_path
         self.adapter_version: str | None = None
@@ -816,10 +815,12 @@ class VllmOmniEngine:
                 self._run(self.omni.remove_lora(lora_id))
             except Exception:
                 pass
+            shutil.rmtree(engine_dir, ignore_errors=True)
             raise RuntimeError(f"vllm-omni rejected adapter {adapter_dir} (version {version}): {e}. Its module names "
                                "must bind to the pipeline's LoRA layers (vllm-omni's fail-closed bind check)") from e
-        if self._lora_request is not None:
+        if self._lora_request is not None:  # the previous version: out of the workers and off the disk
             self._run(self.omni.remove_lora(self._lora_request.lora_int_id))
+            shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
         self._lora_request, self.adapter_version, self.bound_modules = request, version, counts[0]
         return self.bound_modules
 
@@ -865,6 +866,8 @@ class VllmOmniEngine:
         loop = getattr(self, "_loop", None)
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
+        if getattr(self, "_adapter_root", None):
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
 
 
 def build_engine(engine: str, model_path: str, **kwargs: Any):
@@ -957,11 +960,6 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
                 reply = {"ok": True, "result": result.to_dict()}
             elif op == "load_adapter":
                 reply = {"ok": True, "bound_modules": engine.load_adapter(message["path"], message["version"])}
-            elif op == "ping":
-                reply = {"ok": True}
-            elif op == "shutdown":
-                _send(channel_out, {"ok": True})
-                return
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as e:
@@ -979,7 +977,6 @@ class _Worker:
     devices: str
     process: subprocess.Popen
     log_path: str
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stderr_tail(self, lines: int = 30) -> str:
         try:
@@ -1096,7 +1093,7 @@ class RolloutGroup:
             raise RolloutError("the rollout group is closed")
         n, k = len(request), min(len(self.workers), len(request))
         bounds = [round(i * n / k) for i in range(k + 1)]
-        messages = [{"op": "generate", "request": dataclasses.asdict(request.select(range(bounds[i], bounds[i + 1])))}
+        messages = [{"op": "generate", "request": request.select(range(bounds[i], bounds[i + 1])).to_dict()}
                     for i in range(k)]
         replies = self._call_all(messages, "generate")
         return RolloutResult.cat([RolloutResult(**r["result"]) for r in replies])
@@ -1167,19 +1164,25 @@ class DistributedRollout:
             if world > local_world and group_kwargs.get("log_dir"):
                 # nodes share the output directory: each node's workers log into their own folder
                 group_kwargs["log_dir"] = os.path.join(group_kwargs["log_dir"], f"node{dist.get_rank() // local_world}")
-        self.group = RolloutGroup(model_path, devices, **group_kwargs) if local_rank == 0 else None
-        self._check_started()
+        self.group, error = None, None
+        if local_rank == 0:
+            try:
+                self.group = RolloutGroup(model_path, devices, **group_kwargs)
+            except Exception as e:  # reported after every rank has heard of it, so no rank waits forever
+                error = e
+        self._check_started(error)
 
-    def _check_started(self) -> None:
+    def _check_started(self, error: Exception | None) -> None:
         """Every rank learns whether every node's group started (so none waits forever on a failed node)."""
-        if not self.distributed:
-            return
-        import torch.distributed as dist
+        if self.distributed:
+            import torch.distributed as dist
 
-        flags: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, self.group is not None or int(os.environ.get("LOCAL_RANK", 0)) != 0)
-        if not all(flags):
-            raise RolloutError("a node's rollout group failed to start (see that node's log)")
+            flags: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(flags, error is None)
+            if error is None and not all(flags):
+                raise RolloutError("a node's rollout group failed to start (see that node's log)")
+        if error is not None:
+            raise error
 
     @property
     def is_driver(self) -> bool:
@@ -1193,20 +1196,23 @@ class DistributedRollout:
 
         size = dist.get_world_size(self.node_group)
         gathered: list[Any] = [None] * size if self.is_driver else None
-        dist.gather_object(dataclasses.asdict(request), gathered, dst=self.node_root, group=self.node_group)
+        dist.gather_object(request.to_dict(), gathered, dst=self.node_root, group=self.node_group)
         parts: list[Any] = [None] * size
         if self.is_driver:
-            requests = [RolloutRequest.from_dict(r) for r in gathered]
-            error, result = None, None
+            error, result, sizes = None, None, []
             try:
+                requests = [RolloutRequest.from_dict(r) for r in gathered]
+                sizes = [len(r) for r in requests]
                 result = self.group.generate(RolloutRequest.concat(requests))
             except Exception as e:  # every rank of the node must hear about it, not hang in the scatter
                 error = f"{type(e).__name__}: {e}"
             start = 0
-            for i, r in enumerate(requests):
-                rows = range(start, start + len(r))
-                parts[i] = {"error": error} if error else {"result": result.select(rows).to_dict()}
-                start += len(r)
+            for i in range(size):
+                if error:
+                    parts[i] = {"error": error}
+                else:
+                    parts[i] = {"result": result.select(range(start, start + sizes[i])).to_dict()}
+                    start += sizes[i]
         mine: list[Any] = [None]
         dist.scatter_object_list(mine, parts if self.is_driver else None, src=self.node_root, group=self.node_group)
         if "error" in mine[0]:

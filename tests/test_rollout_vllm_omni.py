@@ -35,6 +35,12 @@ def test_missing_vllm_omni_is_a_clear_error(tmp_path):
         rollout.build_engine("vllm_omni", str(tmp_path))
 
 
+def test_cfg_batch_is_refused_by_the_vllm_omni_engine(tmp_path):
+    """Its RL pipelines run CFG sequentially; a batched-CFG replay in the trainer would not match the rollout."""
+    with pytest.raises(ValueError, match="drop --cfg_batch"):
+        rollout.build_engine("vllm_omni", str(tmp_path), device="cuda", cfg_batch=True)
+
+
 def test_sampling_kwargs_per_sample():
     request = _request(true_cfg_scale=2.5)
     kws = [rollout.vllm_omni_sampling_kwargs("qwen_image", request, b) for b in range(2)]
@@ -151,14 +157,6 @@ def test_engine_adapter_copy_has_vllm_omni_names(tmp_path):
     save_file({"transformer.a.to_q.lora_A.weight": torch.ones(2, 4)}, str(src / lora.ADAPTER_WEIGHTS))
     with pytest.raises(ValueError, match="lack lora_A or lora_B"):
         rollout.write_engine_adapter(str(src), str(tmp_path / "out2"))
-
-
-def test_model_family_from_model_index(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "BooguImagePipeline"}))
-    assert rollout.model_family(str(tmp_path)) == "boogu_image"
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(ValueError, match="FluxPipeline"):
-        rollout.model_family(str(tmp_path))
 
 
 def test_rpc_bound_counts_flattens_and_fails_closed():
