@@ -300,7 +300,8 @@ def sde_step(
 def apply_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, *, renorm: bool = False) -> torch.Tensor:
     """Classifier-free guidance on two predictions of the same shape.
 
-    Standard (Boogu-Image's text CFG): ``uncond + scale (cond - uncond)``.
+    Standard: ``uncond + scale (cond - uncond)``. (Boogu-Image's wrapper does not call this: it writes the same
+    combination as ``pos + (s - 1)(pos - neg)`` in the model dtype, rounding as the released pipeline does.)
     ``renorm=True`` is Qwen-Image's true-CFG: the combination is rescaled to the conditional prediction's norm
     over the LAST dimension (per packed token, 64 channels for Qwen latents ``(B, L, 64)``), no epsilon:
     ``comb * ||cond||_{-1} / ||comb||_{-1}``.

@@ -353,14 +353,12 @@ class _Layout:
                  img_sizes: list[tuple[int, int]], axes_dim: Sequence[int], axes_lens: Sequence[int],
                  theta: float, freqs_cis: Optional[Sequence[torch.Tensor]], device: torch.device):
         self.batch = len(cap_lens)
-        self.cap_lens = cap_lens
         self.ref_lens = [[h * w for h, w in sizes] for sizes in ref_sizes]
         self.img_lens = [h * w for h, w in img_sizes]
         self.comb_lens = [sum(r) + n for r, n in zip(self.ref_lens, self.img_lens)]
         self.seq_lens = [c + m for c, m in zip(cap_lens, self.comb_lens)]
         self.cap_max, self.comb_max, self.seq_max = max(cap_lens), max(self.comb_lens), max(self.seq_lens)
         self.img_max = max(self.img_lens)
-        self.device = device
 
         def key_mask(lengths: list[int], width: int) -> Optional[torch.Tensor]:
             if all(n == width for n in lengths):
@@ -1001,7 +999,7 @@ class BooguImageModel(FlowModel):
         latents = []
         for image, generator in zip(images, generators):
             pil = _to_pil(image)
-            h, w = reference_size(pil)
+            h, w = _fit_size(pil.height, pil.width, max_pixels=BOOGU_MAX_PIXELS, max_side=VAE_REF_MAX_SIDE)
             if (h, w) != (pil.height, pil.width):
                 pil = pil.resize((w, h), resample=PIL.Image.LANCZOS)
             pixels = torch.from_numpy(np.asarray(pil, dtype=np.float32) / 255.0).permute(2, 0, 1)
@@ -1045,7 +1043,9 @@ class BooguImageModel(FlowModel):
         a given size only has to agree with them."""
         if height is None and width is None:
             return
-        expected = (height // self.vae_scale_factor, width // self.vae_scale_factor)
+        if height is None or width is None:
+            raise ValueError(f"pass both height and width or neither, got height={height}, width={width}")
+        expected = self.latent_hw(height, width)
         if tuple(latents.shape[-2:]) != expected:
             raise ValueError(f"latents {tuple(latents.shape)} do not match a {height}x{width} image")
 

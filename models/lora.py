@@ -170,7 +170,7 @@ def apply_lora(
 
     if not adapter_names or len(set(adapter_names)) != len(adapter_names):
         raise ValueError(f"adapter_names must be distinct and non-empty, got {adapter_names}")
-    validate_lora_targets(transformer, targets, block_prefixes)
+    expected = len(validate_lora_targets(transformer, targets, block_prefixes))
     existing = {a for layer in lora_layers(transformer).values() for a in layer.lora_A}
     clash = sorted(existing & set(adapter_names))
     if clash:
@@ -199,7 +199,6 @@ def apply_lora(
                 layer.lora_A[name].requires_grad_(True)
                 layer.lora_B[name].requires_grad_(True)
     n = len(lora_layers(transformer, adapter_names[0]))
-    expected = len(validate_lora_targets(transformer, targets, block_prefixes))
     if n != expected:
         raise RuntimeError(f"PEFT wrapped {n} modules but the targets bind {expected}")
     return n

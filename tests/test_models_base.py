@@ -83,8 +83,6 @@ def test_prompt_embeds_cat_and_index():
 
 
 def test_resolve_guidance_uses_the_family_knob_and_refuses_the_other():
-    from models.base import FlowModel
-
     boogu, qwen = FlowModel(), FlowModel()
     boogu.family, qwen.family = "boogu_image", "qwen_image"
     assert boogu.resolve_guidance(None, None) == 4.0 and boogu.resolve_guidance(2.5, None) == 2.5
@@ -106,7 +104,6 @@ def test_transformer_only_wrapper_matches_full_and_refuses_encoding(tiny_models,
     full = load_model(path)
     slim = load_model(path, transformer_only=True)
     assert type(slim.text_encoder).__name__ == "NotLoaded" and type(slim.vae).__name__ == "NotLoaded"
-    slim.transformer.load_state_dict(full.transformer.state_dict())
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
     prompt = full.encode_prompt(["a red sign that says OPEN", "two cats"])
     negative = full.encode_prompt(["", ""] if full.family == "boogu_image" else [" ", " "])
