@@ -418,7 +418,7 @@ def build_qwen3_vl_genrm(out_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Boogu-Image (implemented on the boogu branch)
+# Boogu-Image
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -514,7 +514,7 @@ def build_boogu_image(out_dir: str, *, edit: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# PickScore (the rewards branch appends `build_pickscore(out_dir)` below)
+# PickScore
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -643,10 +643,8 @@ def builders() -> dict[str, Callable[[str], None]]:
         "boogu_image_base": lambda d: build_boogu_image(d, edit=False),
         "boogu_image_edit": lambda d: build_boogu_image(d, edit=True),
         "qwen3_vl_genrm": build_qwen3_vl_genrm,
+        "pickscore": build_pickscore,
     }
-    pickscore = globals().get("build_pickscore")
-    if pickscore is not None:
-        table["pickscore"] = pickscore
     return table
 
 

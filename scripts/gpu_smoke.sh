@@ -28,7 +28,20 @@ for run in ("dppo_qwen", "nft_boogu"):
     ea = EventAccumulator(f"{sys.argv[1]}/{run}/tensorboard"); ea.Reload()
     keys = ["critic/rewards/mean", "actor/grad_norm", "actor/ratio_mean", "rollout_corr/logprob_abs_diff_max",
             "actor/policy_loss", "rollout/bound_modules", "perf/time_per_step"]
-    for k in keys:
-        if k in ea.Tags()["scalars"]:
-            print(run, k, [round(e.value, 6) for e in ea.Scalars(k)])
+    logged = {k: [e.value for e in ea.Scalars(k)] for k in keys if k in ea.Tags()["scalars"]}
+    for k, v in logged.items():
+        print(run, k, [round(x, 6) for x in v])
+    # fail, do not just print: every run logs rewards, grad norms and a non-zero adapter sync; DPPO's first update
+    # has ratio 1 and the trainer's replay reproduces the rollout's log-probs
+    need = ["critic/rewards/mean", "actor/grad_norm", "rollout/bound_modules", "perf/time_per_step"]
+    need += ["actor/ratio_mean", "rollout_corr/logprob_abs_diff_max"] if run == "dppo_qwen" else ["actor/policy_loss"]
+    missing = [k for k in need if len(logged.get(k, [])) != 3]
+    if missing:
+        sys.exit(f"gpu_smoke: {run} did not log 3 steps of {missing}")
+    if min(logged["rollout/bound_modules"]) <= 0:
+        sys.exit(f"gpu_smoke: {run} synced an adapter that bound no module")
+    if run == "dppo_qwen" and (abs(logged["actor/ratio_mean"][0] - 1) > 1e-6
+                               or max(logged["rollout_corr/logprob_abs_diff_max"]) > 1e-2):
+        sys.exit("gpu_smoke: DPPO step-1 ratio != 1 or the replay does not reproduce the rollout's log-probs")
+print("gpu_smoke: OK")
 PY

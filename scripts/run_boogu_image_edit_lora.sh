@@ -17,6 +17,9 @@ NPROC=${NPROC:-3}
 ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:3}
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/boogu_image_edit_nft_lora}
 resolve() { python3 -c "import sys; from models import resolve_model_path; print(resolve_model_path(sys.argv[1]))" "$1"; }
+# resolved before torchrun, so that a failed download stops the script (set -e does not see a $(...) inside arguments)
+PICKSCORE=$(resolve "$REWARD_MODEL_PATH")
+PICKSCORE_PROCESSOR=$(resolve "$PICKSCORE_PROCESSOR_PATH")
 
 torchrun --nproc_per_node="$NPROC" train_nft.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
@@ -27,6 +30,6 @@ torchrun --nproc_per_node="$NPROC" train_nft.py \
   --guidance_scale 4.0 \
   --mix_beta 0.1 --ref_kl_coef 10.0 --adv_clip_max 1.0 --timestep_fraction 1.0 --adv_mode continuous \
   --old_policy_decay_schedule delayed_linear_to_0_999 --old_policy_update_interval 2 \
-  --pickscore_path "$(resolve "$REWARD_MODEL_PATH")" --pickscore_processor_path "$(resolve "$PICKSCORE_PROCESSOR_PATH")" \
+  --pickscore_path "$PICKSCORE" --pickscore_processor_path "$PICKSCORE_PROCESSOR" \
   --total_training_steps 30 --test_freq 5 --save_freq 20 --val_max_samples 256 \
   --output_dir "$OUTPUT_DIR" "$@"

@@ -685,7 +685,6 @@ def test_select_train_timesteps_permutes_rows_and_truncates_to_integers():
     assert chosen.dtype == torch.int64 and chosen.shape == (3, 9)  # K = int(10 * 0.95) = 9
     for row in chosen.tolist():
         assert len(set(row)) == 9 and set(row) <= {int(t) for t in timesteps[0].tolist()}
-    assert 851 in {int(t) for t in timesteps[0].tolist()}  # 851.4848 truncates to 851 (t = 0.851)
     # re-seeded every call: the same pattern every step; rows are permuted independently
     again = losses.select_train_timesteps(timesteps, timestep_fraction=0.95, seed=42)
     assert torch.equal(chosen, again) and not torch.equal(chosen[0], chosen[1])
