@@ -33,22 +33,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 import losses
 from models.base import per_row_noise
 from models.boogu_image import boogu_schedule_mu
-from models.qwen_image import pack_latents
+from models.qwen_image import LATENT_CHANNELS, pack_latents, qwen_image_sigmas
 from rollout import VLLM_OMNI_RL_KEYS, rl_denoise, sde_window_starts, window_length
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.boogu_image.pipeline_boogu_image import BooguImagePipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.models.qwen_image.rope_utils import txt_seq_lens_from_embeds
-
-LATENT_CHANNELS = 16
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -68,11 +66,7 @@ def qwen_sigmas(scheduler_config: dict[str, Any], num_steps: int, height: int, w
     """Qwen-Image sigmas (N+1,) fp32, as `QwenImageModel.schedule`: mu from the packed token count, terminal
     stretch from the config, via `losses.flow_sigmas`."""
     tokens = (height // vae_scale_factor // 2) * (width // vae_scale_factor // 2)
-    cfg = scheduler_config
-    mu = losses.time_shift_mu(tokens, base_seq_len=cfg.get("base_image_seq_len", 256),
-                              max_seq_len=cfg.get("max_image_seq_len", 4096), base_shift=cfg.get("base_shift", 0.5),
-                              max_shift=cfg.get("max_shift", 1.15))
-    return losses.flow_sigmas(num_steps, mu=mu, shift_terminal=cfg.get("shift_terminal"))
+    return qwen_image_sigmas(scheduler_config, num_steps, tokens)
 
 
 def boogu_sigmas(scheduler_config: dict[str, Any], num_steps: int, height: int, width: int,

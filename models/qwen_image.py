@@ -60,6 +60,21 @@ def render_prompt(prompt: str | Sequence[dict[str, Any]]) -> str:
     return text
 
 
+def qwen_image_sigmas(scheduler_config: dict[str, Any], num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """sigmas (N+1,) float32 of the released Qwen-Image scheduler: mu from the packed token count (dynamic shift),
+    exponential shift, the config's terminal stretch, trailing 0 (`losses.flow_sigmas`). Shared by the wrapper and
+    the vllm-omni RL pipeline."""
+    cfg = scheduler_config
+    mu = losses.time_shift_mu(
+        image_seq_len,
+        base_seq_len=cfg.get("base_image_seq_len", 256),
+        max_seq_len=cfg.get("max_image_seq_len", 4096),
+        base_shift=cfg.get("base_shift", 0.5),
+        max_shift=cfg.get("max_shift", 1.15),
+    )
+    return losses.flow_sigmas(num_steps, mu=mu, shift_terminal=cfg.get("shift_terminal"))
+
+
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) or (B, C, 1, H, W) -> (B, (H/2)(W/2), 4C); feature index c*4 + 2*py + px (channel slowest)."""
     if latents.ndim == 5:
@@ -192,15 +207,7 @@ class QwenImageModel(FlowModel):
 
     def schedule(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """sigmas (N+1,) float32: dynamic mu from the token count, exponential shift, terminal stretch, trailing 0."""
-        cfg = self.scheduler_config
-        mu = losses.time_shift_mu(
-            self.image_seq_len(height, width),
-            base_seq_len=cfg.get("base_image_seq_len", 256),
-            max_seq_len=cfg.get("max_image_seq_len", 4096),
-            base_shift=cfg.get("base_shift", 0.5),
-            max_shift=cfg.get("max_shift", 1.15),
-        )
-        return losses.flow_sigmas(num_steps, mu=mu, shift_terminal=cfg.get("shift_terminal"))
+        return qwen_image_sigmas(self.scheduler_config, num_steps, self.image_seq_len(height, width))
 
     # ---- prompts ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -224,13 +231,9 @@ class QwenImageModel(FlowModel):
         out = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         hidden = out.hidden_states[-1]  # (B, T, D)
         rows = [h[m.bool()][DROP_IDX:][: self.max_sequence_length] for h, m in zip(hidden, attention_mask)]
-        max_len = max(r.shape[0] for r in rows)
-        embeds = hidden.new_zeros(len(rows), max_len, hidden.shape[-1])
-        mask = torch.zeros(len(rows), max_len, dtype=torch.int64, device=hidden.device)
-        for i, r in enumerate(rows):
-            embeds[i, : r.shape[0]] = r
-            mask[i, : r.shape[0]] = 1
-        return PromptEmbeds(embeds.to(self.dtype), mask)
+        joined = PromptEmbeds.cat([PromptEmbeds(r[None], torch.ones(1, r.shape[0], dtype=torch.int64, device=r.device))
+                                   for r in rows])  # right-padded with zeros, mask 0 on the padding
+        return PromptEmbeds(joined.embeds.to(self.dtype), joined.mask)
 
     # ---- latents ----------------------------------------------------------------------------------------------
     def prepare_noise(self, height: int, width: int, generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -192,7 +192,7 @@ def test_rl_denoise_reproduces_native_engine(tiny_models, name):
     torch.testing.assert_close(torch.stack([torch.stack(r) for r in all_log_probs]), native.all_log_probs,
                                rtol=0, atol=0)
     torch.testing.assert_close(torch.stack([torch.stack(r) for r in all_timesteps]), native.all_timesteps)
-    assert native.all_log_probs.abs().sum() > 0 and len(set(starts)) >= 1
+    assert native.all_log_probs.abs().sum() > 0
 
 
 def test_boogu_stock_predict_with_rl_conventions(tiny_models):
