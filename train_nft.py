@@ -131,7 +131,8 @@ def main(argv=None) -> None:
         # 4. refresh the `old` adapter and sync it to the rollout workers
         old_metrics = T.old_policy_refresh(model.transformer, step, interval=args.old_policy_update_interval,
                                            schedule=args.old_policy_decay_schedule, decay=args.old_policy_decay)
-        timings.update(run.sync_rollout(T.ADAPTER_OLD, step))
+        if old_metrics["old_policy/update_applied"]:  # an unchanged `old` needs no new rollout version
+            timings.update(run.sync_rollout(T.ADAPTER_OLD, step))
 
         # 5. logging, validation, checkpoint
         metrics.update(accumulator.reduce())

@@ -414,14 +414,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def adapter_state_dict(transformer: nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+def adapter_state_dict(transformer: nn.Module, adapter: str, *, all_ranks: bool = True) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU float32 tensors of `adapter`, keyed `<module path>.lora_A.weight` (adapter name dropped,
-    the model's own module names). A collective: every rank must call it; every rank gets the tensors."""
+    the model's own module names). A collective: every rank must call it; with `all_ranks=False` only rank 0 (the
+    writer) copies the gathered tensors to the host, the others get an empty dict."""
     out: dict[str, torch.Tensor] = {}
+    keep = all_ranks or is_main_process()
     for name, p in adapter_params(transformer, adapter):
-        key = _strip_adapter(name, adapter)
-        out[key] = _full(p.detach()).to("cpu", torch.float32).clone()
-    if not out:
+        full = _full(p.detach())  # the gather is collective: every rank runs it
+        if keep:
+            out[_strip_adapter(name, adapter)] = full.to("cpu", torch.float32).clone()
+    if keep and not out:
         raise ValueError(f"the transformer has no LoRA tensors for adapter {adapter!r}")
     return out
 
@@ -680,9 +683,8 @@ MARKER = "COMPLETE"
 # Flags that may change between a run and its resume (everything else is fingerprinted; new flags are protected).
 # Only bookkeeping / I/O flags: anything that can change a sampled number stays fingerprinted.
 RESUME_MUTABLE_KEYS: tuple[str, ...] = (
-    "resume", "total_steps", "total_training_steps", "save_every", "save_freq", "keep_last", "val_every",
-    "test_freq", "val_before_train", "num_val_images", "log_every", "output_dir", "log_dir", "ckpt_dir",
-    "tensorboard_dir", "num_workers", "val_max_samples", "rollout_timeout_s", "rollout_threads",
+    "resume", "total_training_steps", "save_freq", "keep_last", "test_freq", "val_before_train", "num_val_images",
+    "log_every", "output_dir", "val_max_samples", "rollout_timeout_s", "rollout_threads",
 )
 
 
@@ -829,7 +831,7 @@ def save_checkpoint(
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    adapters = {name: adapter_state_dict(transformer, name) for name in adapter_names}
+    adapters = {name: adapter_state_dict(transformer, name, all_ranks=False) for name in adapter_names}
     optim_state = optimizer_full_state(transformer, optimizer)
     rng_states: list[Any] = [None] * get_world_size()
     if dist.is_initialized():
@@ -939,7 +941,7 @@ def find_latest(root: str) -> str | None:
     if names and not complete:
         raise CheckpointError(
             f"{root} holds checkpoint directories {incomplete} but none is complete (no {MARKER} marker); refusing to "
-            f"start fresh. Remove them or point --ckpt-dir elsewhere to start a new run."
+            f"start fresh. Remove them or pass another --output_dir to start a new run."
         )
     return os.path.join(root, f"step_{complete[-1]:08d}") if complete else None
 
@@ -995,7 +997,7 @@ def load_checkpoint(
                  for k in sorted(set(saved) | set(values)) if saved.get(k, "<absent>") != values.get(k, "<absent>")]
         raise CheckpointError(
             f"checkpoint {path} was written with a different config; refusing to resume. Differing keys:\n  "
-            + "\n  ".join(diffs) + "\nResume with the original flags, or start a new run in a fresh --ckpt-dir."
+            + "\n  ".join(diffs) + "\nResume with the original flags, or start a new run in a fresh --output_dir."
         )
     if state["world_size"] != get_world_size():
         raise CheckpointError(
@@ -1069,7 +1071,8 @@ class TensorBoardLogger:
 class MetricAccumulator:
     """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks.
 
-    Tensor values stay on their device until `reduce()` (no host sync per micro-batch). The rank mean is ONE
+    Tensor values stay on their device until `reduce()` (no host sync per micro-batch for callers that pass
+    tensors; the losses return Python floats already). The rank mean is ONE
     all_reduce of a float64 vector [means..., key count, key hash]; every rank must have added the same keys (a
     different key set is detected and raised, never silently averaged).
     """
@@ -1443,7 +1446,7 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
     otherwise leave the rollout sampling an old policy while the run looks healthy). Collective."""
     timings: dict[str, float] = {}
     with timer("update_weights", timings):
-        state = adapter_state_dict(transformer, adapter)
+        state = adapter_state_dict(transformer, adapter, all_ranks=False)  # only rank 0 writes
         path = os.path.join(root, f"v{version:08d}")
         if is_main_process():  # an atomic write: workers never see a half-written version
             save_adapter_dir(state, lora_config, path, engine_names=engine_names)
@@ -1474,8 +1477,12 @@ def load_flow_model(path: str, args, device: torch.device):
     from models import load_model, model_family
 
     kwargs = {"max_sequence_length": args.max_sequence_length} if model_family(path) == "qwen_image" else {}
-    return load_model(path, device=device, dtype=torch.float32, cfg_batch=args.cfg_batch, transformer_only=True,
-                      **kwargs)
+    # Loaded on the CPU: `prepare_transformer`'s fully_shard moves one block at a time to `device` and shards it,
+    # so no GPU ever holds the whole fp32 transformer (Qwen-Image: ~80 GB). The wrapper's inputs go to `device`.
+    model = load_model(path, device="cpu", dtype=torch.float32, cfg_batch=args.cfg_batch, transformer_only=True,
+                       **kwargs)
+    model.device = torch.device(device)
+    return model
 
 
 def check_batch_sizes(train_batch_size: int, mini_batch_prompts: int, n: int, micro_batch_size: int,

@@ -142,8 +142,10 @@ def test_exact_resume_and_config_refusal(demo_data, tiny_models, tmp_path):
                                            output_dir=straight))
     run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, total_training_steps=2,
                                            output_dir=resumed))
-    run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, total_training_steps=3,
-                                           resume="auto", output_dir=resumed))
+    proc = run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2,
+                                                  total_training_steps=3, resume="auto", output_dir=resumed))
+    # it really resumed: only step 3 ran (fixed seeds would make a silent restart from step 0 look identical)
+    assert "step 3/3" in proc.stdout and "step 1/3" not in proc.stdout and "step 2/3" not in proc.stdout
     a, b = scalars(straight), scalars(resumed)
     keys = [k for k in a if k.startswith(("actor/", "critic/"))]
     assert len(keys) > 10

@@ -352,7 +352,7 @@ def test_sampler_resume_and_refusals():
 # checkpoints
 # ---------------------------------------------------------------------------------------------------------------
 
-CONFIG = {"lr": 1e-2, "lora_rank": 3, "seed": 0, "total_steps": 5, "model_path": "/tiny"}
+CONFIG = {"lr": 1e-2, "lora_rank": 3, "seed": 0, "total_training_steps": 5, "model_path": "/tiny"}
 
 
 def _train_step(model, opt, stepper, sampler, data) -> float:
@@ -482,8 +482,8 @@ def test_config_mismatch_is_refused_with_key_names(trained_checkpoint):
     msg = str(e.value)
     assert "lr: checkpoint=0.01 now=0.02" in msg and "lora_rank: checkpoint=3 now=4" in msg
     assert "new_flag: checkpoint='<absent>' now=True" in msg and "seed" not in msg
-    # keys that may change on resume (e.g. total_steps) do not block it
-    _load(T.find_latest(root), model, opt, sampler, config=dict(CONFIG, total_steps=500))
+    # keys that may change on resume (e.g. total_training_steps) do not block it
+    _load(T.find_latest(root), model, opt, sampler, config=dict(CONFIG, total_training_steps=500))
 
 
 def test_partial_and_corrupt_checkpoints_fail_clearly(trained_checkpoint):
@@ -682,8 +682,8 @@ def test_write_run_metadata(tmp_path):
 
 
 def test_config_fingerprint():
-    h1, v1 = T.config_fingerprint({"a": 1, "b": (1, 2), "total_steps": 3})
-    h2, _ = T.config_fingerprint({"b": [1, 2], "a": 1, "total_steps": 300})
+    h1, v1 = T.config_fingerprint({"a": 1, "b": (1, 2), "total_training_steps": 3})
+    h2, _ = T.config_fingerprint({"b": [1, 2], "a": 1, "total_training_steps": 300})
     h3, _ = T.config_fingerprint({"a": 2, "b": (1, 2)})
     assert h1 == h2 != h3 and v1 == {"a": 1, "b": [1, 2]}
 
