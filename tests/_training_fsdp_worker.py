@@ -111,18 +111,18 @@ def main() -> None:
         key_mismatch = str(e)
     gathered = T.all_gather_cat(torch.full((2,), float(info.rank), device=info.device))
     # a save that fails on rank 0 only must raise on every rank (not leave rank 1 hanging in a collective)
-    real_writer = T.save_adapter_dir
+    real_writer = T.checkpoint.save_adapter_dir  # the name checkpoint.py writes adapters with
     if info.rank == 0:
         def failing_writer(*a, **k):
             raise OSError("disk full (simulated on rank 0)")
-        T.save_adapter_dir = failing_writer
+        T.checkpoint.save_adapter_dir = failing_writer
     try:
         T.save_checkpoint(ckpt_root, 9, transformer=model2, optimizer=opt2, lora_config=lora_cfg, config=config,
                           sampler=sampler2, adapter_names=("default", "old"))
         failed_save = "no error"
     except Exception as e:  # noqa: BLE001
         failed_save = f"{type(e).__name__}: {e}"
-    T.save_adapter_dir = real_writer
+    T.checkpoint.save_adapter_dir = real_writer
 
     result = {
         "rank": info.rank,

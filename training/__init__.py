@@ -1,0 +1,38 @@
+"""Shared training plumbing for `train_nft.py` and `train_dppo.py`: one implementation of each piece, no framework.
+
+One module per section, read in this order (`import training as T` gives every public name):
+
+1. `distributed.py`: `init_distributed` (torchrun env vars; NCCL on GPU, gloo on CPU; a 1-process group without
+   torchrun), rank helpers, `seed_everything`, node-local rank 0 (the rollout group is started once per node).
+2. `model.py`: LoRA through `models/lora.py` (peft) with named adapters ("default" trained, "old" for
+   DiffusionNFT), adapter switching that never leaks `requires_grad`, composable activation checkpointing (module
+   names stay unchanged), FSDP2 `fully_shard` per transformer block + the root with a `MixedPrecisionPolicy`, and
+   the DTensor-aware gather / load of adapter tensors that checkpoints and rollout weight sync need.
+3. `optim.py`: AdamW over the "default" LoRA params (fused on CUDA), grad-norm clipping on FSDP2 DTensor grads, a
+   non-finite grad norm skips the step (counted, logged); the DiffusionNFT `old` adapter copy / EMA refresh.
+4. `data.py`: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per
+   rank.
+5. `checkpoint.py`: atomic save (temp dir, marker written last, rename), `find_latest`, exact `load_checkpoint`
+   that refuses a different config (naming the differing keys) and a partial or corrupt checkpoint; the layout.
+6. `logs.py`: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
+   `critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata.
+7. `step.py`: the parts of an online RL step both trainers share: flags, rollout requests, rewards, global
+   advantages, validation, the adapter sync to the rollout workers (with its bound-module check).
+8. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
+   validate, checkpoint), so each trainer file holds only its algorithm.
+"""
+
+from __future__ import annotations
+
+from .distributed import *  # noqa: F401,F403
+from .model import *  # noqa: F401,F403
+from .optim import *  # noqa: F401,F403
+from .data import *  # noqa: F401,F403
+from .checkpoint import *  # noqa: F401,F403
+from .logs import *  # noqa: F401,F403
+from .step import *  # noqa: F401,F403
+from .run import *  # noqa: F401,F403
+from .model import _full  # noqa: F401  (tests use it on DTensors)
+
+__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, run)  # noqa: F405
+           for name in module.__all__]

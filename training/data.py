@@ -1,0 +1,84 @@
+"""Data: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+import numpy as np
+
+__all__ = ["SamplerBatch", "PromptSampler"]
+
+
+@dataclass(frozen=True)
+class SamplerBatch:
+    """One rollout step's prompts. indices: the global batch (train_batch_size dataset indices); local: this
+    rank's contiguous share (train_batch_size / world). The trainer repeats each prompt n times for the group."""
+
+    indices: list[int]
+    local: list[int]
+    epoch: int
+    step_in_epoch: int
+
+
+class PromptSampler:
+    """Epoch-shuffled prompt indices over `dataset_len` prompts, `batch_size` (= data.train_batch_size) per step.
+
+    Epoch e uses the permutation `np.random.default_rng([seed, e]).permutation(dataset_len)`, cut into
+    `dataset_len // batch_size` steps (the incomplete tail is dropped, as verl's dataloader does). The cursor
+    (epoch, step_in_epoch) is the whole state: `state_dict()` / `load_state_dict()` resume exactly. Every rank holds
+    the same global sequence; `SamplerBatch.local` is rank r's slice [r*B/W, (r+1)*B/W).
+    """
+
+    def __init__(self, dataset_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        if dataset_len < batch_size:
+            raise ValueError(
+                f"the dataset has {dataset_len} prompts, fewer than train_batch_size={batch_size}; lower the batch size"
+            )
+        if world_size <= 0 or not 0 <= rank < world_size:
+            raise ValueError(f"bad rank/world_size {rank}/{world_size}")
+        if batch_size % world_size != 0:
+            raise ValueError(
+                f"train_batch_size={batch_size} prompts must be divisible by the {world_size} data-parallel ranks"
+            )
+        self.dataset_len, self.batch_size, self.seed = int(dataset_len), int(batch_size), int(seed)
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.steps_per_epoch = self.dataset_len // self.batch_size
+        self.epoch, self.step_in_epoch = 0, 0
+        self._perm_epoch: int | None = None
+        self._perm: np.ndarray | None = None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm_epoch != epoch:
+            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.dataset_len) if self.shuffle
+                          else np.arange(self.dataset_len))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def next_batch(self) -> SamplerBatch:
+        """The next step's prompts; advances the cursor (rolling into the next epoch when this one is used up)."""
+        if self.step_in_epoch >= self.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        start = self.step_in_epoch * self.batch_size
+        indices = [int(i) for i in self._permutation(self.epoch)[start:start + self.batch_size]]
+        per_rank = self.batch_size // self.world_size
+        batch = SamplerBatch(indices, indices[self.rank * per_rank:(self.rank + 1) * per_rank], self.epoch,
+                             self.step_in_epoch)
+        self.step_in_epoch += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "dataset_len": self.dataset_len,
+                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the cursor; refuses a state from another dataset length, batch size, seed or shuffle setting."""
+        for key in ("dataset_len", "batch_size", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state was saved with {key}={state[key]!r}, this run has {getattr(self, key)!r}; "
+                    f"resume with the same data and flags"
+                )
+        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])

@@ -1,0 +1,302 @@
+"""Logging: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
+`critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from typing import Any, Iterator, Mapping, Sequence
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .distributed import get_rank, get_world_size, is_main_process
+from .checkpoint import library_versions
+
+__all__ = [
+    "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "perf_metrics", "timer",
+    "image_grid", "Progress", "git_commit", "write_run_metadata"
+]
+
+
+class TensorBoardLogger:
+    """TensorBoard writer that only writes on rank 0 (other ranks get a no-op object with the same methods)."""
+
+    def __init__(self, log_dir: str, *, enabled: bool | None = None) -> None:
+        self.enabled = is_main_process() if enabled is None else enabled
+        self.writer = None
+        if self.enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir)
+
+    def log_scalars(self, metrics: Mapping[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        for key, value in metrics.items():
+            value = float(value)
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def log_image(self, tag: str, image, step: int) -> None:
+        """image: a PIL image (e.g. from `image_grid`)."""
+        if self.writer is not None:
+            self.writer.add_image(tag, np.asarray(image.convert("RGB")), global_step=step, dataformats="HWC")
+
+    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, global_step=step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class MetricAccumulator:
+    """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks.
+
+    Tensor values stay on their device until `reduce()` (no host sync per micro-batch for callers that pass
+    tensors; the losses return Python floats already). The rank mean is ONE
+    all_reduce of a float64 vector [means..., key count, key hash]; every rank must have added the same keys (a
+    different key set is detected and raised, never silently averaged).
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float | torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, metrics: Mapping[str, float | torch.Tensor]) -> None:
+        for key, value in metrics.items():
+            value = value.detach().double().mean() if isinstance(value, torch.Tensor) else float(value)
+            self.sums[key] = self.sums.get(key, 0.0) + value
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def reduce(self) -> dict[str, float]:
+        """Mean over this rank's adds, then the mean over ranks (one collective); clears the accumulator."""
+        keys = sorted(self.sums)
+        device = next((v.device for v in self.sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        world = get_world_size()
+        key_hash = float(int(hashlib.sha1("\n".join(keys).encode()).hexdigest(), 16) % (2**40))
+        parts = [torch.as_tensor(self.sums[k], dtype=torch.float64, device=device).reshape(1) / self.counts[k]
+                 for k in keys]
+        tail = torch.tensor([float(len(keys)), key_hash], dtype=torch.float64, device=device)
+        vec = torch.cat(parts + [tail])
+        self.sums, self.counts = {}, {}
+        if world > 1 and dist.is_initialized():
+            dist.all_reduce(vec)  # vectors of different lengths make this collective itself fail
+        values = vec.tolist()
+        if values[-1] != key_hash * world or values[-2] != len(keys) * world:
+            raise RuntimeError(
+                f"MetricAccumulator.reduce: ranks logged different metric keys (rank {get_rank()} has {keys}); "
+                f"log the same keys on every rank"
+            )
+        return {k: values[i] / world for i, k in enumerate(keys)}
+
+
+def reward_metrics(
+    rewards: torch.Tensor,
+    uids: Sequence[Any],
+    advantages: torch.Tensor | None = None,
+    extras: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, float]:
+    """`critic/rewards/*`, `critic/advantages/*` and `critic/<extra>/mean` over the global batch (verl-omni names
+    and definitions).
+
+    rewards: (B,) or (B, T) (averaged over T first); uids: (B,) prompt ids, equal within a group; advantages:
+    any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid. extras: numeric
+    per-sample reward extras (e.g. {"pickscore_raw": [...], "reward/ocr": [...]}) -> `critic/<key>/mean`.
+    """
+    r = rewards.detach().float().cpu()
+    if r.ndim == 2:
+        r = r.mean(dim=1)
+    if r.ndim != 1 or len(uids) != r.shape[0]:
+        raise ValueError(f"rewards must be (B,) or (B, T) with B = len(uids) = {len(uids)}, got {tuple(rewards.shape)}")
+    out = {"critic/rewards/mean": float(r.mean()), "critic/rewards/max": float(r.max()),
+           "critic/rewards/min": float(r.min())}
+    uid_arr = np.asarray([str(u) for u in uids])
+    r_np = r.numpy().astype(np.float64)
+    groups = np.unique(uid_arr)
+    stds = np.array([np.std(r_np[uid_arr == u]) for u in groups])
+    out["critic/rewards/zero_std_ratio"] = float(np.mean(stds == 0))
+    out["critic/rewards/std_mean"] = float(np.mean(stds))
+    out["critic/rewards/group_size"] = float(len(r_np) / len(groups))
+    if advantages is not None:
+        a = advantages.detach().float()
+        out.update({"critic/advantages/mean": float(a.mean()), "critic/advantages/max": float(a.max()),
+                    "critic/advantages/min": float(a.min())})
+    for key, values in (extras or {}).items():
+        if len(values) != len(uids):
+            raise ValueError(f"reward extra {key!r} has {len(values)} values for {len(uids)} samples")
+        values = np.asarray(values, dtype=np.float64)
+        if np.isfinite(values).any():  # NaN marks samples another reward scored (mixed data sources)
+            out[f"critic/{key}/mean"] = float(np.nanmean(values))
+    return out
+
+
+def validation_metrics(
+    data_sources: Sequence[str],
+    scores: Mapping[str, Sequence[float]],
+    uids: Sequence[Any] | None = None,
+) -> dict[str, float]:
+    """`val-core/<data_source>/<var>/mean@N` and `val-aux/...` (verl-omni `process_validation_metrics` naming).
+
+    scores: {"reward": per-sample scores, plus numeric extras such as "pickscore_raw" or "acc"}; every list has one
+    value per sample, aligned with data_sources (and uids; default = one sample per prompt, N = 1). Per data source
+    and variable, mean@N (and std@N for N > 1) is computed per uid, then averaged over uids. The core variable is
+    "acc" when present, else "reward"; only its mean@N goes to val-core, everything else to val-aux. verl's
+    bootstrap best@k / worst@k / maj@k (only defined for N > 1; validation runs N = 1) are not computed.
+    """
+    n = len(data_sources)
+    if "reward" not in scores:
+        raise ValueError("validation scores need a 'reward' entry")
+    for var, vals in scores.items():
+        if len(vals) != n:
+            raise ValueError(f"validation scores[{var!r}] has {len(vals)} values for {n} samples")
+    uids = list(range(n)) if uids is None else list(uids)
+    core_var = "acc" if "acc" in scores else "reward"
+    out: dict[str, float] = {}
+    sources = np.asarray(list(data_sources))
+    uid_arr = np.asarray([str(u) for u in uids])
+    for ds in sorted(set(data_sources)):
+        in_ds = sources == ds
+        groups = sorted(set(uid_arr[in_ds]))
+        sizes = {int((uid_arr[in_ds] == g).sum()) for g in groups}
+        n_per = max(sizes)
+        for var in sorted(scores):
+            vals = np.asarray(scores[var], dtype=np.float64)
+            per_uid = [vals[in_ds & (uid_arr == g)] for g in groups]
+            prefix = "val-core" if var == core_var else "val-aux"
+            out[f"{prefix}/{ds}/{var}/mean@{n_per}"] = float(np.mean([v.mean() for v in per_uid]))
+            if n_per > 1:
+                out[f"val-aux/{ds}/{var}/std@{n_per}"] = float(np.mean([v.std() for v in per_uid]))
+    return out
+
+
+def perf_metrics(num_images: int, step_time_s: float, num_gpus: int) -> dict[str, float]:
+    """`perf/total_num_images`, `perf/time_per_step`, `perf/throughput` (images / (t_step * n_gpus))."""
+    return {"perf/total_num_images": float(num_images), "perf/time_per_step": float(step_time_s),
+            "perf/throughput": float(num_images) / (max(step_time_s, 1e-9) * max(num_gpus, 1))}
+
+
+@contextlib.contextmanager
+def timer(name: str, timings: dict[str, float], *, cuda_sync: bool = True) -> Iterator[None]:
+    """Add the wall time of the block to `timings["timing_s/<name>"]` (synchronising CUDA first when in use)."""
+    sync = cuda_sync and torch.cuda.is_available() and torch.cuda.is_initialized()
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if sync:
+            torch.cuda.synchronize()
+        key = f"timing_s/{name}"
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
+
+
+def _wrap(text: str, width_px: int, char_px: int = 6) -> list[str]:
+    return textwrap.wrap(text, width=max(8, width_px // char_px)) or [""]
+
+
+def image_grid(images: torch.Tensor | Sequence[Any], captions: Sequence[str], *, ncols: int = 4,
+               caption_lines: int = 4):
+    """A PIL grid of images with a caption (prompt, reward) under each; images: uint8 (B, 3, H, W) or PIL list."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    if isinstance(images, torch.Tensor):
+        if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"images must be uint8 (B, 3, H, W), got {images.dtype} {tuple(images.shape)}")
+        pil = [Image.fromarray(im.permute(1, 2, 0).cpu().numpy()) for im in images]
+    else:
+        pil = [im.convert("RGB") for im in images]
+    if len(pil) != len(captions):
+        raise ValueError(f"{len(pil)} images but {len(captions)} captions")
+    if not pil:
+        raise ValueError("image_grid needs at least one image")
+    w, h = max(im.width for im in pil), max(im.height for im in pil)
+    font = ImageFont.load_default()
+    line_h = 12
+    cap_h = caption_lines * line_h + 4
+    ncols = min(ncols, len(pil))
+    nrows = (len(pil) + ncols - 1) // ncols
+    grid = Image.new("RGB", (ncols * w, nrows * (h + cap_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (im, cap) in enumerate(zip(pil, captions)):
+        x, y = (i % ncols) * w, (i // ncols) * (h + cap_h)
+        grid.paste(im, (x, y))
+        lines = _wrap(cap, w)[:caption_lines]
+        for j, line in enumerate(lines):
+            draw.text((x + 2, y + h + 2 + j * line_h), line, fill="black", font=font)
+    return grid
+
+
+class Progress:
+    """A one-line progress report per step with the ETA from the mean step time (the first step, which carries
+    compilation / warm-up, is excluded once later steps exist)."""
+
+    def __init__(self, total_steps: int, start_step: int = 0) -> None:
+        self.total_steps, self.start_step = int(total_steps), int(start_step)
+        self.step_times: list[float] = []
+
+    def line(self, step: int, step_time_s: float, metrics: Mapping[str, float] | None = None,
+             keys: Sequence[str] = ("critic/rewards/mean", "actor/grad_norm")) -> str:
+        self.step_times.append(float(step_time_s))
+        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        remaining = max(self.total_steps - step, 0)
+        eta = datetime.timedelta(seconds=int(round(remaining * sum(times) / len(times))))
+        parts = [f"step {step}/{self.total_steps}", f"{step_time_s:.2f}s/step", f"ETA {eta}"]
+        for k in keys:
+            if metrics and k in metrics:
+                parts.append(f"{k.split('/', 1)[-1]} {metrics[k]:.4g}")
+        return " | ".join(parts)
+
+
+def git_commit(repo_dir: str | None = None) -> str:
+    """`git rev-parse HEAD` of the code (suffix "-dirty" with uncommitted changes); "unknown" outside git."""
+    repo_dir = repo_dir or os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True, text=True,
+                             check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo_dir,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_run_metadata(out_dir: str, config: Mapping[str, Any], *, seeds: Mapping[str, int] | None = None,
+                       logger: TensorBoardLogger | None = None) -> dict[str, Any]:
+    """Rank 0: write `<out_dir>/run_metadata.json` (full config, versions, git commit, seeds, world size, argv,
+    host, time) and, with a logger, the same JSON as TensorBoard text. Returns the metadata on every rank."""
+    meta = {
+        "config": json.loads(json.dumps(dict(config), default=str)),
+        "versions": library_versions(),
+        "git_commit": git_commit(),
+        "seeds": dict(seeds or {}),
+        "world_size": get_world_size(),
+        "argv": list(sys.argv),
+        "host": socket.gethostname(),
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
+    if is_main_process():
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = os.path.join(out_dir, f".run_metadata.json.{uuid.uuid4().hex[:8]}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(out_dir, "run_metadata.json"))
+        if logger is not None:
+            logger.log_text("run_metadata", "```\n" + json.dumps(meta, indent=2, sort_keys=True) + "\n```")
+    return meta

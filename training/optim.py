@@ -1,0 +1,124 @@
+"""Optimizer: AdamW over the trainable LoRA tensors, grad-norm clipping on FSDP2 DTensor grads (a non-finite norm
+skips the step), and the DiffusionNFT `old` adapter copy / EMA refresh."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+import torch
+from torch import nn
+import losses
+from models import lora
+
+from .model import ADAPTER_DEFAULT, ADAPTER_OLD, _adapter_pattern, _full, adapter_params
+
+__all__ = ["build_optimizer", "GradStepper", "ema_adapter_", "old_policy_refresh"]
+
+
+def build_optimizer(
+    transformer: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float = 0.01,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    adapter: str = ADAPTER_DEFAULT,
+) -> torch.optim.AdamW:
+    """AdamW over `adapter`'s LoRA tensors that require grad (fused kernel on CUDA). Build after sharding."""
+    params = [p for _, p in adapter_params(transformer, adapter) if p.requires_grad]
+    if not params:
+        raise ValueError(f"no trainable LoRA parameters for adapter {adapter!r}; call add_lora_adapters first")
+    frozen_trainable = [n for n, p in transformer.named_parameters() if p.requires_grad and not _adapter_pattern(adapter).search(n)]
+    if frozen_trainable:
+        raise ValueError(f"parameters outside adapter {adapter!r} require grad: {frozen_trainable[:3]}; freeze them")
+    fused = params[0].device.type == "cuda"
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+
+
+@dataclass
+class GradStepper:
+    """Clip, check and apply one optimizer step; a non-finite total grad norm skips the step (grads zeroed).
+
+    `skipped_steps` counts skips over the whole run (restore it from the checkpoint's trainer state). The total norm
+    is computed by `torch.nn.utils.clip_grad_norm_`, which reduces FSDP2 DTensor grads across ranks (verified on
+    gloo/CPU against an unsharded model), so every rank takes the same skip decision.
+    """
+
+    max_grad_norm: float = 1.0
+    skipped_steps: int = 0
+
+    def step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Returns {"actor/grad_norm", "actor/lr", "actor/step_skipped", "actor/skipped_steps"}."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params:
+            max_norm = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
+            grad_norm = float(_full(norm).item())
+        else:
+            grad_norm = 0.0
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {
+            "actor/grad_norm": grad_norm,
+            "actor/lr": float(optimizer.param_groups[0]["lr"]),
+            "actor/step_skipped": float(skipped),
+            "actor/skipped_steps": float(self.skipped_steps),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"max_grad_norm": self.max_grad_norm, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+def ema_adapter_(transformer: nn.Module, decay: float, src: str = ADAPTER_DEFAULT, dst: str = ADAPTER_OLD) -> None:
+    """dst <- decay * dst + (1 - decay) * src on the LoRA A/B tensors (`losses.ema_update_`; decay 0 = hard copy,
+    which `models.lora.copy_adapter_` also does). Works on FSDP2 shards: both adapters of a layer share a placement."""
+    old, new = [], []
+    for path, layer in lora.lora_layers(transformer, src).items():
+        if dst not in layer.lora_A:
+            raise ValueError(f"adapter {dst!r} is missing on {path}")
+        for mod in (layer.lora_A, layer.lora_B):
+            old.append(mod[dst].weight.data)
+            new.append(mod[src].weight.data)
+    if not old:
+        raise ValueError(f"the transformer has no LoRA adapter {src!r}")
+    losses.ema_update_(old, new, decay)
+
+
+def old_policy_refresh(
+    transformer: nn.Module,
+    step: int,
+    *,
+    interval: int = 1,
+    schedule: str = "copy",
+    decay: float | None = None,
+) -> dict[str, float]:
+    """DiffusionNFT's old-adapter refresh after the actor update of rollout step `step` (1-based, verl-omni).
+
+    Applied when `step % interval == 0`: d = `decay` if given else `losses.old_policy_decay(step, schedule)`;
+    d == 0 -> hard copy, else EMA. Returns the `old_policy/*` metrics exactly as verl-omni logs them (all 0.0 when
+    the refresh is not due).
+    """
+    if interval < 1:
+        raise ValueError(f"old_policy_update_interval must be >= 1, got {interval}")
+    metrics = {"old_policy/update_applied": 0.0, "old_policy/copy_update": 0.0, "old_policy/ema_update": 0.0,
+               "old_policy/decay": 0.0}
+    if step % interval != 0:
+        return metrics
+    d = float(decay) if decay is not None else losses.old_policy_decay(step, schedule)
+    metrics["old_policy/update_applied"] = 1.0
+    metrics["old_policy/decay"] = d
+    if d == 0.0:
+        lora.copy_adapter_(transformer, ADAPTER_DEFAULT, ADAPTER_OLD)
+        metrics["old_policy/copy_update"] = 1.0
+    else:
+        ema_adapter_(transformer, d)
+        metrics["old_policy/ema_update"] = 1.0
+    return metrics
