@@ -30,7 +30,7 @@ import training as T
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=T.HelpFormatter)
     T.add_common_args(parser)
     g = parser.add_argument_group("Flow-DPPO / Flow-GRPO")
     g.add_argument("--loss", default="flow_dppo", choices=["flow_dppo", "flow_grpo"])

@@ -31,7 +31,7 @@ from models import lora
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=T.HelpFormatter)
     T.add_common_args(parser)
     g = parser.add_argument_group("DiffusionNFT")
     g.add_argument("--mix_beta", type=float, default=0.5, help="β of the implicit policies v± (> 0)")
@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--old_policy_decay_schedule", default="copy", choices=sorted(losses.DECAY_SCHEDULES))
     g.add_argument("--old_policy_decay", type=float, default=None, help="constant decay (overrides the schedule)")
     g.add_argument("--old_policy_update_interval", type=int, default=1, help="refresh `old` every N rollout steps")
+    g.add_argument("--val_adapter", default=T.ADAPTER_OLD, choices=[T.ADAPTER_OLD, T.ADAPTER_DEFAULT],
+                   help="adapter validation samples with: 'old' (verl-omni) or 'default' (the official DiffusionNFT "
+                        "code); the training rollout keeps sampling with 'old'")
     g.add_argument("--no_global_std", dest="global_std", action="store_false", help="per-group std")
     g.add_argument("--no_norm_adv_by_std", dest="norm_adv_by_std", action="store_false")
     args = parser.parse_args(argv)

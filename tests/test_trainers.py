@@ -63,16 +63,32 @@ def values(metrics, key):
     return [v for _, v in metrics[key]]
 
 
+def val_grid(run_dir):
+    """The last validation image grid (`val/samples`) of a run, as a PIL image."""
+    import io
+
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    return Image.open(io.BytesIO(events.Images("val/samples")[-1].encoded_image_string))
+
+
 def test_nft_boogu_t2i_end_to_end_and_checkpoint(demo_data, tiny_models, tmp_path):
     from training import find_latest
 
     out = tmp_path / "nft"
     data = demo_data["boogu_image"]
-    run_trainer("train_nft.py", cli(
+    proc = run_trainer("train_nft.py", cli(
         model_path=os.path.join(tiny_models, "boogu_image_base"), train_files=data / "train.parquet",
         val_files=data / "test.parquet", total_training_steps=2, save_freq=2, lr=1e-3,
         old_policy_decay_schedule="linear_to_0_5", old_policy_update_interval=2, output_dir=out))
     m = scalars(out)
+    # a normal run warns about nothing the project could avoid (deprecated collectives, FSDP2's view warning)
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+    # the validation grid shows every rank's samples: 2 prompts, one per rank, so 2 images side by side
+    assert val_grid(out).size == (2 * 64, 64 + 4 * 12 + 4)
     for key in ("actor/policy_loss", "actor/positive_loss", "actor/negative_loss", "actor/old_deviate",
                 "actor/reward_prob_mean", "actor/grad_norm", "critic/rewards/mean", "critic/advantages/max",
                 "perf/throughput", "perf/time_per_step", "timing_s/gen", "timing_s/update_actor",
@@ -136,13 +152,14 @@ def test_step_one_ratio_is_exactly_one_for_dppo_and_grpo(demo_data, tiny_models,
 
 
 def test_exact_resume_and_config_refusal(demo_data, tiny_models, tmp_path):
-    """3 steps straight vs 2 steps + resume: the third step's metrics are identical; a changed config is refused."""
+    """3 steps straight vs 2 steps + resume: the third step's metrics are identical (the lr warm-up included: step 3
+    runs at 2/3 lr only if the schedule's state was restored); a changed config is refused."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, total_training_steps=3,
-                                           output_dir=straight))
+                                           lr_warmup_steps=3, output_dir=straight))
     run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, total_training_steps=2,
-                                           output_dir=resumed))
-    proc = run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2,
+                                           lr_warmup_steps=3, output_dir=resumed))
+    proc = run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, lr_warmup_steps=3,
                                                   total_training_steps=3, resume="auto", output_dir=resumed))
     # it really resumed: only step 3 ran (fixed seeds would make a silent restart from step 0 look identical)
     assert "step 3/3" in proc.stdout and "step 1/3" not in proc.stdout and "step 2/3" not in proc.stdout
@@ -151,7 +168,8 @@ def test_exact_resume_and_config_refusal(demo_data, tiny_models, tmp_path):
     assert len(keys) > 10
     for key in keys:
         assert [v for s, v in a[key] if s == 3] == [v for s, v in b[key] if s == 3], key
-    proc = run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2,
+    assert values(a, "actor/lr") == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3])
+    proc = run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, lr_warmup_steps=3,
                                                   total_training_steps=4, resume="auto", rollout_n=4,
                                                   output_dir=resumed), expect_ok=False)
     assert proc.returncode != 0 and "rollout_n" in proc.stderr

@@ -132,7 +132,9 @@ def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     if any(s != shapes[0] for s in shapes):
         raise ValueError(f"all_gather_cat: ranks hold different shapes/dtypes {shapes}; pad to equal per-rank batches")
     out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t.contiguous())
+    # torch >= 2.14 deprecates all_gather_into_tensor (a FutureWarning per call) for all_gather_single, same op
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t.contiguous())
     return out
 
 

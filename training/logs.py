@@ -1,9 +1,14 @@
 """Logging: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
-`critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata."""
+`critic/*` reward/advantage stats, validation keys, image grids (over every rank's samples), a progress line with
+ETA, timers, run metadata (and reading it back for the after-training scripts), the console log file, and the
+`--help` formatter that shows defaults."""
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import contextlib
+import copy
 import datetime
 import hashlib
 import json
@@ -24,7 +29,8 @@ from .checkpoint import library_versions
 
 __all__ = [
     "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "perf_metrics", "timer",
-    "image_grid", "Progress", "git_commit", "write_run_metadata"
+    "image_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress", "git_commit",
+    "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "LOG_FILE", "HelpFormatter"
 ]
 
 
@@ -243,6 +249,33 @@ def image_grid(images: torch.Tensor | Sequence[Any], captions: Sequence[str], *,
     return grid
 
 
+def prompt_text(prompt: Any) -> str:
+    """The user text of a prompt (a str, or the user message of a chat-message list), for captions and records."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in prompt if m.get("role") == "user"), "")
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` in rank order (`dist.all_gather_object`; [obj] without a process group). Collective."""
+    if get_world_size() == 1 or not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_first_images(images: torch.Tensor, first_row: int, k: int) -> torch.Tensor:
+    """The first k samples of the global order, on every rank, from the ranks' contiguous blocks: this rank holds
+    samples first_row .. first_row + len(images) - 1 (uint8 (B, 3, H, W)). Collective (one object all_gather);
+    returns (min(k, total), 3, H, W)."""
+    mine = images[: max(0, min(len(images), k - first_row))].cpu()
+    if k <= 0 or get_world_size() == 1 or not dist.is_initialized():  # k is the same on every rank
+        return mine
+    parts = all_gather_objects((first_row, mine))
+    return torch.cat([t for _, t in sorted(parts, key=lambda p: p[0]) if len(t)])[:k]
+
+
 class Progress:
     """A one-line progress report per step with the ETA from the mean step time (the first step, which carries
     compilation / warm-up, is excluded once later steps exist)."""
@@ -300,3 +333,88 @@ def write_run_metadata(out_dir: str, config: Mapping[str, Any], *, seeds: Mappin
         if logger is not None:
             logger.log_text("run_metadata", "```\n" + json.dumps(meta, indent=2, sort_keys=True) + "\n```")
     return meta
+
+
+def read_run_config(run_dir: str) -> dict[str, Any]:
+    """The trainer flags a run was started with: `<run_dir>/run_metadata.json` ["config"] (`write_run_metadata`)."""
+    path = os.path.join(run_dir, "run_metadata.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: --run_dir must be a trainer's --output_dir (it holds "
+                                "run_metadata.json)")
+    with open(path, encoding="utf-8") as f:
+        return dict(json.load(f)["config"])
+
+
+def set_defaults_from_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                          mapping: Mapping[str, str]) -> None:
+    """With `--run_dir DIR` among argv, make the run's trainer flags the parser's defaults: flag `dest` defaults
+    to the run's `mapping[dest]`; flags given explicitly still win. The parser must define --run_dir."""
+    known, _ = parser.parse_known_args(argv)
+    if known.run_dir:
+        config = read_run_config(known.run_dir)
+        parser.set_defaults(**{dest: config[key] for dest, key in mapping.items() if key in config})
+
+
+LOG_FILE = "train.log"
+
+
+class _Tee:
+    """A text stream that also appends every complete line to a log file (prefixed, e.g. "[rank 1] ")."""
+
+    def __init__(self, stream: Any, log: Any, prefix: str) -> None:
+        self.stream, self.log, self.prefix, self.pending = stream, log, prefix, ""
+
+    def write(self, text: str) -> int:
+        n = self.stream.write(text)
+        self.pending += text
+        if "\n" in self.pending:  # whole lines only, so the ranks' lines never interleave mid-line
+            lines, self.pending = self.pending.rsplit("\n", 1)
+            self.log.write("".join(f"{self.prefix}{line}\n" for line in lines.split("\n")))
+            self.log.flush()
+        return n
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close_log(self) -> None:
+        if self.pending:
+            self.log.write(f"{self.prefix}{self.pending}\n")
+            self.pending = ""
+        self.log.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ... of the real stream
+        return getattr(self.stream, name)
+
+
+def tee_console(output_dir: str) -> str:
+    """Mirror the console into `<output_dir>/train.log` (appended, so a resumed run continues the same file): rank
+    0's stdout and stderr, and every other rank's stderr with a "[rank N] " prefix (tracebacks and warnings of
+    every rank land there). Python-level writes only (C/C++ libraries writing to the fds directly are not
+    captured). Idempotent; returns the log path."""
+    path = os.path.join(output_dir, LOG_FILE)
+    if isinstance(sys.stderr, _Tee):
+        return path
+    os.makedirs(output_dir, exist_ok=True)
+    log = open(path, "a", encoding="utf-8")
+    rank = get_rank()
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    tees = [_Tee(sys.stderr, log, prefix)]
+    sys.stderr = tees[0]
+    if rank == 0:
+        tees.append(_Tee(sys.stdout, log, ""))
+        sys.stdout = tees[1]
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        log.write(f"==== {now} {' '.join(sys.argv)} ({get_world_size()} ranks)\n")
+        log.flush()
+    atexit.register(lambda: [t.close_log() for t in tees])
+    return path
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with the module docstring as written and every flag's default, also for flags without help."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)

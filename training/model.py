@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import warnings
 from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
@@ -132,6 +133,12 @@ def mixed_precision_policy(device: torch.device, precision: str = "bf16"):
     if precision == "fp32" or torch.device(device).type == "cpu":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+# FSDP2 warns when a wrapped module returns a view (an in-place op on it would skip the pre-backward hook). Our
+# transformers end in an nn.Linear on (B, L, C) input, whose output is a view of the 2-D matmul; nothing ever
+# modifies a transformer output in place (the wrappers and losses.py build new tensors), so the warning is noise.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning)
 
 
 def shard_transformer(

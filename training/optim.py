@@ -1,5 +1,6 @@
-"""Optimizer: AdamW over the trainable LoRA tensors, grad-norm clipping on FSDP2 DTensor grads (a non-finite norm
-skips the step), and the DiffusionNFT `old` adapter copy / EMA refresh."""
+"""Optimizer: AdamW over the trainable LoRA tensors, the learning-rate schedule (warm-up, then constant / linear /
+cosine; `torch.optim.lr_scheduler.LambdaLR`), grad-norm clipping on FSDP2 DTensor grads (a non-finite norm skips
+the step), and the DiffusionNFT `old` adapter copy / EMA refresh."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from models import lora
 
 from .model import ADAPTER_DEFAULT, ADAPTER_OLD, _adapter_pattern, _full, adapter_params
 
-__all__ = ["build_optimizer", "GradStepper", "ema_adapter_", "old_policy_refresh"]
+__all__ = [
+    "build_optimizer", "LR_SCHEDULES", "lr_multiplier", "build_lr_scheduler", "lr_scheduler_state",
+    "load_lr_scheduler_state_", "GradStepper", "ema_adapter_", "old_policy_refresh"
+]
 
 
 def build_optimizer(
@@ -34,6 +38,72 @@ def build_optimizer(
         raise ValueError(f"parameters outside adapter {adapter!r} require grad: {frozen_trainable[:3]}; freeze them")
     fused = params[0].device.type == "cuda"
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_multiplier(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The factor m(s) on the base lr after s scheduler steps (s = 0 for the first training step; verl's convention).
+
+    Warm-up (s < W): m = s / W (so step 1 runs at lr 0 when W > 0, as in verl / transformers). After it, with
+    p = min(1, (s - W) / max(1, T - W)) and floor r = min_lr_ratio:
+        constant  m = 1
+        linear    m = r + (1 - r) (1 - p)
+        cosine    m = r + (1 - r) (1 + cos(pi p)) / 2
+    T = total_steps (the run's --total_training_steps); the last step s = T - 1 stays just above the floor.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+    if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"need lr_warmup_steps >= 0 and 0 <= min_lr_ratio <= 1, got {warmup_steps}, {min_lr_ratio}")
+    if step < warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str = "constant", warmup_steps: int = 0,
+                       total_steps: int, min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """`LambdaLR` with `lr_multiplier`, stepped once per training step (after the step's updates, as verl does).
+    Build it right after the optimizer and BEFORE a checkpoint restores the optimizer (LambdaLR sets the lr at
+    construction); restore it with `load_lr_scheduler_state_`."""
+    lr_multiplier(0, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
+                  min_lr_ratio=min_lr_ratio)  # validates the arguments
+    if schedule != "constant" and total_steps <= warmup_steps:
+        raise ValueError(f"--lr_scheduler {schedule} decays after the warm-up, but --lr_warmup_steps "
+                         f"({warmup_steps}) >= --total_training_steps ({total_steps})")
+
+    def factor(step: int) -> float:
+        return lr_multiplier(step, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
+                             min_lr_ratio=min_lr_ratio)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler.spec = {"schedule": schedule, "warmup_steps": int(warmup_steps), "total_steps": int(total_steps),
+                      "min_lr_ratio": float(min_lr_ratio)}
+    return scheduler
+
+
+def lr_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, Any]:
+    """JSON-able state for the checkpoint's trainer_state: LambdaLR's own state (step count, last lrs) + the spec."""
+    return {"spec": dict(scheduler.spec), "state": scheduler.state_dict()}
+
+
+def load_lr_scheduler_state_(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: Mapping[str, Any] | None) -> None:
+    """Restore `lr_scheduler_state` so the next lr equals the uninterrupted run's. A decaying schedule depends on
+    --total_training_steps, which may otherwise change on resume: a different value is refused."""
+    if saved is None:
+        raise ValueError("the checkpoint holds no lr scheduler state (trainer_state['lr_scheduler'])")
+    spec, now = saved["spec"], scheduler.spec
+    if spec["schedule"] != "constant" and spec["total_steps"] != now["total_steps"]:
+        raise ValueError(
+            f"--lr_scheduler {spec['schedule']} was laid out over --total_training_steps {spec['total_steps']}; this "
+            f"run asks for {now['total_steps']}, which would change the lr of every remaining step. Resume with "
+            f"--total_training_steps {spec['total_steps']} or start a new run")
+    scheduler.load_state_dict(dict(saved["state"]))
 
 
 @dataclass

@@ -12,12 +12,12 @@ from models import lora
 
 from .distributed import cleanup_distributed, init_distributed, seed_everything
 from .model import ADAPTER_DEFAULT, prepare_transformer
-from .optim import GradStepper, build_optimizer
+from .optim import GradStepper, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_, lr_scheduler_state
 from .data import PromptSampler
 from .checkpoint import load_checkpoint, save_checkpoint
-from .logs import Progress, TensorBoardLogger, perf_metrics, write_run_metadata
-from .step import (check_batch_sizes, guidance_of, load_flow_model, parse_lora_init, resolve_device, resume_path,
-                   sync_rollout_adapter, validate)
+from .logs import Progress, TensorBoardLogger, perf_metrics, tee_console, write_run_metadata
+from .step import (check_batch_sizes, guidance_of, load_flow_model, load_init_adapter, parse_lora_init, resolve_device,
+                   resume_path, sync_rollout_adapter, validate)
 
 __all__ = ["Run", "setup_run"]
 
@@ -52,6 +52,9 @@ class Run:
     adapters_root: str
     start_step: int
     progress: Progress
+    lr_scheduler: Any = None       # torch LambdaLR (training.optim.build_lr_scheduler), stepped once per step
+    rollout_adapter: str | None = None  # what the rollout workers sample with, and its version (last sync_rollout)
+    rollout_version: int = 0
 
     def steps(self) -> range:
         """The steps still to run: start_step + 1 .. total_training_steps."""
@@ -59,20 +62,39 @@ class Run:
 
     def sync_rollout(self, adapter: str, step: int) -> dict[str, float]:
         """Publish `adapter` to the rollout workers as version `step` (see `sync_rollout_adapter`). Collective."""
+        self.rollout_adapter, self.rollout_version = adapter, step
         return sync_rollout_adapter(self.rollout, self.model.transformer, adapter, self.lora_config,
                                     self.adapters_root, step, self.num_lora_modules,
                                     engine_names=self.args.rollout_engine == "vllm_omni")
 
     def validate(self, step: int) -> dict[str, float]:
-        """ODE validation on the test split (see `validate`). Collective."""
-        return validate(self.model, self.rollout, self.scorer, self.val_data, self.args, step, self.scale,
-                        self.logger)
+        """ODE validation on the test split (see `validate`). Collective.
+
+        With --val_adapter (DiffusionNFT) naming another adapter than the rollout workers sample with, the workers
+        load it for the validation only (version "val-<adapter>-v<step>" under <output_dir>/val_adapters, the same
+        gather + bound-module check as every sync) and get the rollout adapter back afterwards, re-synced under its
+        own version: it has not changed since its last sync (the trainers sync right after every change), so the
+        next training rollout samples exactly what it would have without validation."""
+        val_adapter = getattr(self.args, "val_adapter", None)
+        swap = val_adapter is not None and self.rollout_adapter is not None and val_adapter != self.rollout_adapter
+        if swap:
+            sync_rollout_adapter(self.rollout, self.model.transformer, val_adapter, self.lora_config,
+                                 os.path.join(self.args.output_dir, "val_adapters"), step, self.num_lora_modules,
+                                 engine_names=self.args.rollout_engine == "vllm_omni",
+                                 label=f"val-{val_adapter}-v{step}")
+        metrics = validate(self.model, self.rollout, self.scorer, self.val_data, self.args, step, self.scale,
+                           self.logger)
+        if swap:
+            self.sync_rollout(self.rollout_adapter, self.rollout_version)
+        return metrics
 
     def end_step(self, step: int, metrics: dict[str, float], timings: Mapping[str, float], step_start: float,
                  epoch: int) -> None:
         """The tail of a step: timing and throughput metrics, TensorBoard, the progress line, validation every
         --test_freq steps and at the end, a checkpoint every --save_freq steps and at the end. Collective."""
         args = self.args
+        if self.lr_scheduler is not None:  # the step's updates are done (actor/lr logged the lr they used)
+            self.lr_scheduler.step()
         step_time = time.perf_counter() - step_start
         metrics.update(timings)
         metrics.update(perf_metrics(args.train_batch_size * args.rollout_n, step_time, self.world))
@@ -89,7 +111,9 @@ class Run:
             save_checkpoint(self.ckpt_root, step, transformer=self.model.transformer, optimizer=self.optimizer,
                             lora_config=self.lora_config, config=self.config, sampler=self.sampler,
                             adapter_names=self.adapter_names,
-                            trainer_state={"grad_stepper": self.stepper.state_dict()}, keep_last=args.keep_last)
+                            trainer_state={"grad_stepper": self.stepper.state_dict(),
+                                           "lr_scheduler": lr_scheduler_state(self.lr_scheduler)},
+                            keep_last=args.keep_last)
 
     def close(self) -> None:
         self.rollout.close()
@@ -98,10 +122,11 @@ class Run:
 
 
 def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
-    """Both trainers' setup, in order: distributed init and seeds; TensorBoard and run metadata (config, versions,
-    git commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2; AdamW; train/val data, the
-    sampler and the batch-size checks; the reward scorer; `--resume` (adapters, optimizer, RNG, sampler cursor,
-    grad-skip count); the rollout workers of this node. Adapters are NOT yet synced to the workers: the trainer does
+    """Both trainers' setup, in order: distributed init and seeds; the console log file; TensorBoard and run
+    metadata (config, versions, git commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2
+    (`default` from --init_adapter when given); AdamW and the lr schedule; train/val data, the sampler and the
+    batch-size checks; the reward scorer; `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr
+    schedule); the rollout workers of this node. Adapters are NOT yet synced to the workers: the trainer does
     that with the adapter its algorithm samples from."""
     from data_prep.dataset import PromptDataset
     from models import resolve_model_path
@@ -111,6 +136,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     config = vars(args)
     dist_info = init_distributed(resolve_device(args.device))
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
+    tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors
     seed_everything(args.seed)
     logger = TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"))
     write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger)
@@ -125,9 +151,13 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
         precision=args.precision, activation_checkpointing=args.activation_checkpointing,
         init_lora_weights=parse_lora_init(args.lora_init_weights))
     num_lora_modules = len(lora.lora_layers(model.transformer, ADAPTER_DEFAULT))
+    load_init_adapter(model.transformer, args.init_adapter, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                      expected_modules=num_lora_modules)  # --init_adapter (a no-op without it)
     optimizer = build_optimizer(model.transformer, lr=args.lr, weight_decay=args.weight_decay,
                                 betas=tuple(float(b) for b in args.adam_betas.split(",")))
     stepper = GradStepper(args.max_grad_norm)
+    lr_scheduler = build_lr_scheduler(optimizer, schedule=args.lr_scheduler, warmup_steps=args.lr_warmup_steps,
+                                      total_steps=args.total_training_steps, min_lr_ratio=args.min_lr_ratio)
 
     train_data = PromptDataset(args.train_files, guidance=scale > 1.0)
     val_data = PromptDataset(args.val_files, guidance=scale > 1.0) if args.val_files else None
@@ -144,6 +174,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                 sampler=sampler, adapter_names=adapter_names)
         start_step = state["step"]
         stepper.load_state_dict(state["trainer_state"]["grad_stepper"])
+        load_lr_scheduler_state_(lr_scheduler, state["trainer_state"].get("lr_scheduler"))
 
     rollout = DistributedRollout(model_path, args.rollout_devices.split(","), engine=args.rollout_engine,
                                  dtype=args.rollout_dtype if device.type == "cuda" else "float32",
@@ -155,4 +186,5 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
                val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
                ckpt_root=ckpt_root, adapters_root=os.path.join(args.output_dir, "rollout_adapters"),
-               start_step=start_step, progress=Progress(args.total_training_steps, start_step))
+               start_step=start_step, progress=Progress(args.total_training_steps, start_step),
+               lr_scheduler=lr_scheduler)

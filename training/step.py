@@ -1,23 +1,29 @@
 """The parts of an online RL step both trainers share: flags, rollout requests, rewards, global advantages,
-validation, and the adapter sync to the rollout workers (with its bound-module check)."""
+validation (one code path for in-training validation and scripts/evaluate.py), the adapter sync to the rollout
+workers (with its bound-module check), and adapter paths (`PATH` or `CHECKPOINT:default|old`)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Any, Sequence
 import torch
-import torch.distributed as dist
 import losses
+from models import lora
 
 from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_main_process
-from .model import adapter_state_dict, save_adapter_dir
-from .checkpoint import CheckpointError, find_latest
-from .logs import image_grid, reward_metrics, timer, validation_metrics
+from .model import ADAPTER_DEFAULT, ADAPTER_OLD, adapter_state_dict, load_adapter_state_, save_adapter_dir
+from .optim import LR_SCHEDULES
+from .checkpoint import MARKER, CheckpointError, find_latest
+from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, reward_metrics, timer,
+                   validation_metrics)
 
 __all__ = [
     "add_common_args", "resolve_device", "guidance_of", "rollout_request", "score_samples", "global_advantages",
-    "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes", "resume_path", "validate"
+    "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes", "resume_path",
+    "resolve_adapter_dir", "adapter_arg", "load_init_adapter", "ValidationOutcome", "run_validation", "validate"
 ]
 
 
@@ -52,7 +58,16 @@ def add_common_args(parser) -> None:
     g.add_argument("--lora_target_modules", default=None,
                    help="comma-separated; default = the model's validated list (Boogu: 18 names, Qwen: 12)")
     g.add_argument("--lora_init_weights", default="gaussian", help="peft init for A ('gaussian' or 'true'); B = 0")
-    g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant)")
+    g.add_argument("--init_adapter", type=adapter_arg, default=None,
+                   help="start 'default' from this LoRA (PEFT folder, or CHECKPOINT:default|old) instead of B = 0; "
+                        "its rank/alpha/modules must equal the run's (DiffusionNFT's 'old' starts as a copy)")
+    g.add_argument("--lr", type=float, default=1e-6, help="AdamW peak learning rate (see --lr_scheduler)")
+    g.add_argument("--lr_scheduler", default="constant", choices=LR_SCHEDULES,
+                   help="lr after the warm-up: constant (verl-omni's default), or linear / cosine decay to "
+                        "--min_lr_ratio x lr at --total_training_steps")
+    g.add_argument("--lr_warmup_steps", type=int, default=0,
+                   help="linear warm-up from 0 over this many steps (step 1 runs at lr 0, as in verl)")
+    g.add_argument("--min_lr_ratio", type=float, default=0.0, help="floor of the linear / cosine decay (x lr)")
     g.add_argument("--weight_decay", type=float, default=0.01)
     g.add_argument("--adam_betas", default="0.9,0.999")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="grad-norm clip; a non-finite norm skips the step")
@@ -152,11 +167,13 @@ def global_advantages(scored, n: int, *, global_std: bool, norm_by_std: bool,
 
 
 def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config, root: str, version: int,
-                         expected_modules: int, *, engine_names: bool, keep: int = 2) -> dict[str, float]:
+                         expected_modules: int, *, engine_names: bool, keep: int = 2,
+                         label: str | None = None) -> dict[str, float]:
     """Publish `adapter` (the rollout policy: "old" for DiffusionNFT, "default" for DPPO/GRPO) to the rollout
     workers: every rank gathers the full tensors, rank 0 writes a versioned PEFT directory atomically, every node's
     workers load it, and the bound-module count must equal the actor's number of LoRA modules (a dropped sync would
-    otherwise leave the rollout sampling an old policy while the run looks healthy). Collective."""
+    otherwise leave the rollout sampling an old policy while the run looks healthy). `label`: the workers' adapter
+    version name (default "v<version>"). Collective."""
     timings: dict[str, float] = {}
     with timer("update_weights", timings):
         state = adapter_state_dict(transformer, adapter, all_ranks=False)  # only rank 0 writes
@@ -166,7 +183,7 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
             for old in sorted(d for d in os.listdir(root) if d.startswith("v"))[:-keep]:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         barrier()
-        counts = rollout_client.load_adapter(path, f"v{version}")
+        counts = rollout_client.load_adapter(path, label or f"v{version}")
     bad = [c for c in counts if c != expected_modules]
     if bad:
         raise RuntimeError(
@@ -222,43 +239,136 @@ def resume_path(resume: str, ckpt_root: str) -> str | None:
     return resume
 
 
-def validate(model, rollout_client, scorer, dataset, args, step: int, scale: float, logger) -> dict[str, float]:
-    """Validation on the test split: ODE (noise 0), --val_num_inference_steps, seeds from --val_seed, one sample
-    per prompt; logs `val-core/<data_source>/reward/mean@1` (+ val-aux extras) and an image grid. Collective."""
+def resolve_adapter_dir(spec: str) -> str:
+    """The PEFT adapter folder named by `spec`: a PEFT folder (adapter_config.json + adapter_model.safetensors),
+    or a checkpoint folder (`<output_dir>/checkpoints/step_XXXXXXXX`) with `:default` / `:old` choosing its adapter
+    (optional when it holds only one). Model-free; raises ValueError naming the path and the fix."""
+    path, name = spec, None
+    for candidate in (ADAPTER_DEFAULT, ADAPTER_OLD):
+        if spec.endswith(":" + candidate):
+            path, name = spec[: -len(candidate) - 1], candidate
+    is_peft = lambda d: all(  # noqa: E731
+        os.path.isfile(os.path.join(d, f)) for f in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS))
+    if is_peft(path):
+        if name is not None:
+            raise ValueError(f"{path} is a PEFT adapter folder, not a checkpoint: drop ':{name}'")
+        return path
+    adapters = os.path.join(path, "adapters")
+    if os.path.isdir(adapters):
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            raise ValueError(f"checkpoint {path} is partial (no {MARKER} marker); use a complete checkpoint")
+        present = sorted(d for d in os.listdir(adapters) if is_peft(os.path.join(adapters, d)))
+        if name is None and len(present) != 1:
+            raise ValueError(f"checkpoint {path} holds the adapters {present}: name one, e.g. {path}:old (what "
+                             f"verl-omni validates for DiffusionNFT) or {path}:default (the trained one)")
+        name = name or present[0]
+        if name not in present:
+            raise ValueError(f"checkpoint {path} has no adapter {name!r} (it holds {present})")
+        return os.path.join(adapters, name)
+    hint = ""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        latest = find_latest(os.path.join(path, "checkpoints"))
+        hint = f"; {path} looks like a run directory: pass one of its checkpoints"
+        hint += f", e.g. {latest}" if latest else ""
+    raise ValueError(f"{path} is neither a PEFT adapter folder ({lora.ADAPTER_CONFIG} + {lora.ADAPTER_WEIGHTS}) nor a "
+                     f"checkpoint folder (adapters/<name>/){hint}")
+
+
+def adapter_arg(spec: str) -> str:
+    """argparse `type=` for adapter flags: checks `spec` with `resolve_adapter_dir` at parse time (before any
+    model loads) and keeps it as written."""
+    try:
+        resolve_adapter_dir(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def load_init_adapter(transformer, spec: str | None, *, lora_rank: int, lora_alpha: float, expected_modules: int,
+                      adapter: str = ADAPTER_DEFAULT) -> int:
+    """--init_adapter: copy the LoRA of `spec` (see `resolve_adapter_dir`) into `adapter` of the (sharded)
+    transformer. Its rank and alpha must be the run's and its tensors must bind exactly the run's LoRA modules
+    (`load_adapter_state_` is strict), else ValueError. Logs one line on rank 0; returns the module count (0 when
+    `spec` is None). Every rank calls it (each reads the full tensors and keeps its shard; no communication)."""
+    if not spec:
+        return 0
+    path = resolve_adapter_dir(spec)
+    config, modules = lora.read_adapter(path)
+    if int(config.get("r", -1)) != lora_rank or float(config.get("lora_alpha", -1)) != float(lora_alpha) \
+            or config.get("use_rslora"):
+        raise ValueError(f"--init_adapter {spec}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
+                         f"use_rslora={config.get('use_rslora', False)}; this run has --lora_rank {lora_rank} "
+                         f"--lora_alpha {lora_alpha} (no rsLoRA): pass the adapter's values")
+    load_adapter_state_(transformer, adapter, {f"{module}.lora_{ab}.weight": t for module, pair in modules.items()
+                                               for ab, t in pair.items()})
+    if len(modules) != expected_modules:  # load_adapter_state_ is strict, so this only guards its contract
+        raise RuntimeError(f"--init_adapter {spec} bound {len(modules)} LoRA modules, the actor has {expected_modules}")
+    if is_main_process():
+        print(f"init adapter: '{adapter}' starts from {path} ({len(modules)} modules, r={lora_rank}, "
+              f"alpha={lora_alpha})", flush=True)
+    return len(modules)
+
+
+@dataclass
+class ValidationOutcome:
+    """`run_validation`'s result on every rank: the metrics, one record per validated prompt (every rank's, in
+    prompt order: index, data_source, ground_truth, prompt, seed, reward, reward extras), the uint8 images
+    (k, 3, H, W) of the first k = --num_val_images of them, and this rank's own images with the position of its
+    first sample in `samples`."""
+
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]]
+    images: torch.Tensor
+    local_images: torch.Tensor
+    first: int
+
+
+def run_validation(rollout_client, scorer, dataset, args, *, family: str, scale: float) -> ValidationOutcome:
+    """ODE validation on the test split: THE code path of in-training validation (`validate`) and of
+    scripts/evaluate.py. The first --val_max_samples prompts (0 = all) split over the ranks in contiguous blocks,
+    one sample per prompt with seed `rollout.row_seed(--val_seed, 1, prompt index)` (so the numbers do not depend
+    on the world size or batching), noise 0, --val_num_inference_steps, --height x --width, CFG `scale`; rewards
+    from `scorer`; `val-core/<data_source>/reward/mean@1` + val-aux extras (`validation_metrics`) over every
+    rank's samples, plus `timing_s/testing`. `rollout_client`: anything with `generate(RolloutRequest)` (the
+    trainers' DistributedRollout, evaluate.py's NativeEngine). Collective."""
     world, rank = get_world_size(), get_rank()
     total = len(dataset) if not args.val_max_samples else min(len(dataset), args.val_max_samples)
-    per_rank = total // world
-    if per_rank == 0:
+    if total < world:
         raise ValueError(f"validation needs at least {world} prompts (one per rank), the test split has {total}")
-    rows = [dataset[i] for i in range(rank * per_rank, (rank + 1) * per_rank)]
+    start, stop = rank * total // world, (rank + 1) * total // world
+    rows = [dataset[i] for i in range(start, stop)]
     timings: dict[str, float] = {}
     with timer("testing", timings):
-        request = rollout_request(rows, n=1, first_row=rank * per_rank, seed=args.val_seed, step=1,
+        request = rollout_request(rows, n=1, first_row=start, seed=args.val_seed, step=1,
                                   num_inference_steps=args.val_num_inference_steps, height=args.height,
-                                  width=args.width, family=model.family, scale=scale, noise_level=0.0)
+                                  width=args.width, family=family, scale=scale, noise_level=0.0)
         result = rollout_client.generate(request)
         scored = score_samples(scorer, result.images, rows, 1)
-    local = {"reward": scored.rewards.tolist()}
-    for key, values in scored.extras.items():
-        local[key] = values.tolist()
-    gathered: list[Any] = [None] * world
-    payload = (local, [row.data_source for row in rows])
-    if dist.is_initialized() and world > 1:
-        dist.all_gather_object(gathered, payload)
-    else:
-        gathered = [payload]
-    sources = [s for _, ds in gathered for s in ds]
-    keys = sorted({k for scores, _ in gathered for k in scores})
-    scores = {k: [v for sc, ds in gathered for v in sc.get(k, [float("nan")] * len(ds))] for k in keys}
-    metrics = validation_metrics(sources, {k: v for k, v in scores.items()})
+    local = []
+    for j, row in enumerate(rows):
+        record = {"index": row.index, "data_source": row.data_source, "ground_truth": row.ground_truth,
+                  "prompt": prompt_text(row.prompt), "seed": request.seeds[j], "reward": float(scored.rewards[j])}
+        record.update({key: float(values[j]) for key, values in sorted(scored.extras.items())})
+        local.append(record)
+    samples = [record for part in all_gather_objects(local) for record in part]
+    variables = sorted({k for r in samples for k in r} - {"index", "data_source", "ground_truth", "prompt", "seed"})
+    scores = {k: [r.get(k, float("nan")) for r in samples] for k in variables}  # "reward" + the reward extras
+    metrics = validation_metrics([r["data_source"] for r in samples], scores)
     metrics = {k: v for k, v in metrics.items() if v == v}  # extras absent for a data source give NaN: drop them
     metrics.update(timings)
-    if rank == 0:
-        logger.log_scalars(metrics, step)
-        k = min(args.num_val_images, len(rows))
-        user_text = lambda row: next((m["content"] for m in row.prompt if m.get("role") == "user"), "")  # noqa: E731
-        captions = [f"r={float(r):.3f} | {user_text(row)[:100]}" for row, r in zip(rows[:k], scored.rewards[:k])]
-        logger.log_image("val/samples", image_grid(result.images[:k], captions), step)
-        core = {key: v for key, v in metrics.items() if key.startswith("val-core/")}
+    images = gather_first_images(result.images, start, args.num_val_images)
+    return ValidationOutcome(metrics, samples, images, result.images, start)
+
+
+def validate(model, rollout_client, scorer, dataset, args, step: int, scale: float, logger) -> dict[str, float]:
+    """In-training validation: `run_validation`, then (rank 0) TensorBoard `val-core/...`, `val-aux/...` and a
+    captioned grid of the first --num_val_images samples of ALL ranks, and one console line. Collective."""
+    outcome = run_validation(rollout_client, scorer, dataset, args, family=model.family, scale=scale)
+    if get_rank() == 0:
+        logger.log_scalars(outcome.metrics, step)
+        if len(outcome.images):
+            captions = [f"r={s['reward']:.3f} | {s['prompt'][:100]}" for s in outcome.samples[:len(outcome.images)]]
+            logger.log_image("val/samples", image_grid(outcome.images, captions), step)
+        core = {key: v for key, v in outcome.metrics.items() if key.startswith("val-core/")}
         print(f"validation @ step {step}: " + ", ".join(f"{key} {v:.4f}" for key, v in core.items()), flush=True)
-    return metrics
+    return outcome.metrics
