@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+r"""Score one or several adapters (e.g. the base vs step 0 vs step N) on a test parquet with the run's reward,
+exactly as in-training validation computes `val-core/<data_source>/reward/mean@1`, and print a comparison table.
+
+    python3 scripts/evaluate.py --run_dir outputs/run \
+        --adapters base outputs/run/checkpoints/step_00000030:old outputs/run/checkpoints/step_00000300:old
+    torchrun --nproc_per_node=4 scripts/evaluate.py --run_dir outputs/run --adapters base lora_dir/ ...
+
+Each adapter is `base` (LoRA off), a PEFT folder, or a checkpoint folder with `:default` / `:old`. The flags are the
+trainers' own (same names, defaults and meaning; `--help` lists those used here) and `--run_dir` makes the run's
+values the defaults: model, --val_files, --val_max_samples, --val_seed, --val_num_inference_steps, size, guidance,
+--rollout_dtype, --rollout_max_batch_size and every reward flag. Scoring goes through
+`training.run_validation`, the function in-training validation calls (prompt i sampled with seed
+`rollout.row_seed(--val_seed, 1, i)`, ODE, rewards by data_source), with the rollout engine (`rollout.NativeEngine`)
+in this process on this rank's device; `torchrun` splits the prompts over the ranks like the trainers do.
+
+Writes to --output_dir (default <run_dir>/eval): metrics.json (every adapter's validation metrics), samples.jsonl
+(one line per adapter and prompt: index, data_source, ground_truth, prompt, seed, reward, reward extras),
+grid_<k>.png (the first --num_val_images samples of adapter k) and, with --save_images, images/<k>/<index>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import training as T  # noqa: E402
+
+# the trainer flags evaluate.py uses (besides every reward flag); the others are accepted and ignored
+USED = ("model_path", "device", "val_files", "val_max_samples", "val_seed", "val_num_inference_steps", "height",
+        "width", "guidance_scale", "true_cfg_scale", "num_val_images", "rollout_dtype", "rollout_max_batch_size",
+        "cfg_batch")
+NOT_FROM_RUN = ("output_dir", "device")  # where and on what evaluate runs is not the run's business
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    import rewards
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=T.HelpFormatter, conflict_handler="resolve")
+    T.add_common_args(parser)  # the trainers' flags, so run_validation reads the same names as in training
+    reward_flags = argparse.ArgumentParser(add_help=False)
+    rewards.add_reward_args(reward_flags)
+    shown = set(USED) | {a.dest for a in reward_flags._actions}
+    for action in parser._actions:
+        if action.option_strings and action.dest not in shown and action.dest != "help":
+            action.help = argparse.SUPPRESS
+    g = parser.add_argument_group("evaluate")
+    g.add_argument("--run_dir", default=None, help="a trainer's --output_dir: its flags become the defaults")
+    g.add_argument("--adapters", nargs="+", required=True,
+                   help="'base', PEFT folders and/or CHECKPOINT:default|old, scored in this order")
+    g.add_argument("--output_dir", default=None, help="default: <run_dir>/eval (required without --run_dir)")
+    g.add_argument("--save_images", action="store_true", help="also write every sample as images/<k>/<index>.png")
+    T.set_defaults_from_run(parser, argv, {d: d for d in shown if d not in NOT_FROM_RUN})
+    args = parser.parse_args(argv)
+    for spec in args.adapters:
+        if spec != "base":
+            try:
+                T.resolve_adapter_dir(spec)
+            except ValueError as e:
+                parser.error(f"--adapters {spec}: {e}")
+    if not args.model_path or not args.val_files:
+        parser.error("--model_path and --val_files are required (or --run_dir)")
+    if args.output_dir is None:
+        if not args.run_dir:
+            parser.error("--output_dir is required without --run_dir")
+        args.output_dir = os.path.join(args.run_dir, "eval")
+    return args
+
+
+def lora_signature(adapter_dir: str) -> tuple:
+    """(r, alpha, rsLoRA, targets) of a PEFT folder: adapters that differ in it need a fresh engine."""
+    from models.base import read_json
+
+    config = read_json(os.path.join(adapter_dir, "adapter_config.json"), "LoRA adapter config")
+    return config.get("r"), config.get("lora_alpha"), bool(config.get("use_rslora")), sorted(config["target_modules"])
+
+
+def summary(samples: list[dict], metrics: dict[str, float]) -> list[tuple[str, int, float, float]]:
+    """(val-core key, n, mean, std over samples (ddof 0)) per data source; the mean is validation's own metric."""
+    rows = []
+    for key, mean in sorted(metrics.items()):
+        if key.startswith("val-core/"):
+            _, source, var, _ = key.split("/")
+            values = np.asarray([s[var] for s in samples if s["data_source"] == source], dtype=np.float64)
+            rows.append((key, len(values), mean, float(values.std())))
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from PIL import Image
+
+    import rewards
+    import rollout
+    from data_prep.dataset import PromptDataset
+    from models import lora, resolve_model_path
+
+    info = T.init_distributed(T.resolve_device(args.device))
+    rank = info.rank
+    model_path = resolve_model_path(args.model_path)
+    scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
+    dtype = args.rollout_dtype if info.device.type == "cuda" else "float32"  # as the trainers start their workers
+
+    def new_engine():
+        return rollout.NativeEngine(model_path, device=str(info.device), dtype=getattr(torch, dtype),
+                                    max_batch_size=args.rollout_max_batch_size, cfg_batch=args.cfg_batch)
+
+    engine, signature = new_engine(), None
+    scale = T.guidance_of(engine.model, args)
+    dataset = PromptDataset(args.val_files, guidance=scale > 1.0)
+    os.makedirs(args.output_dir, exist_ok=True)
+    results = []
+    for k, spec in enumerate(args.adapters):
+        if spec == "base":
+            path, bound = None, 0
+            with lora.lora_disabled(engine.model.transformer):
+                outcome = T.run_validation(engine, scorer, dataset, args, family=engine.model.family, scale=scale)
+        else:
+            path = T.resolve_adapter_dir(spec)
+            if signature is not None and lora_signature(path) != signature:
+                engine = new_engine()  # another rank / alpha / target list: start from the base weights again
+            bound = engine.load_adapter(path, spec)  # raises unless every tensor binds exactly one LoRA module
+            signature = lora_signature(path)
+            outcome = T.run_validation(engine, scorer, dataset, args, family=engine.model.family, scale=scale)
+        if args.save_images:  # each rank writes its own samples
+            folder = os.path.join(args.output_dir, "images", str(k))
+            os.makedirs(folder, exist_ok=True)
+            for record, image in zip(outcome.samples[outcome.first:], outcome.local_images):
+                Image.fromarray(image.permute(1, 2, 0).numpy()).save(os.path.join(folder, f"{record['index']:05d}.png"))
+        results.append({"adapter": spec, "path": path, "bound_modules": bound, "metrics": outcome.metrics,
+                        "samples": outcome.samples, "images": outcome.images})
+
+    if rank == 0:
+        write_report(args, results)
+    T.cleanup_distributed()
+
+
+def write_report(args, results: list[dict]) -> None:
+    """Rank 0: metrics.json, samples.jsonl, grids, and the comparison table on stdout."""
+    clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v  # noqa: E731  (JSON has no NaN)
+    with open(os.path.join(args.output_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
+        for r in results:
+            f.writelines(json.dumps({"adapter": r["adapter"], **{k: clean(v) for k, v in s.items()}}) + "\n"
+                         for s in r["samples"])
+    settings = {key: getattr(args, key) for key in USED}
+    with open(os.path.join(args.output_dir, "metrics.json"), "w", encoding="utf-8") as f:
+        json.dump({"settings": settings, "adapters": [{k: r[k] for k in ("adapter", "path", "bound_modules",
+                                                                         "metrics")} for r in results]},
+                  f, indent=2, default=str)
+    for k, r in enumerate(results):
+        if len(r["images"]):
+            captions = [f"r={s['reward']:.3f} | {s['prompt'][:100]}" for s in r["samples"][:len(r["images"])]]
+            T.image_grid(r["images"], captions).save(os.path.join(args.output_dir, f"grid_{k}.png"))
+    width = max(len("adapter"), *(len(r["adapter"]) for r in results))
+    print(f"{'adapter':<{width}}  {'bound':>5}  {'metric':<48} {'n':>5} {'mean':>10} {'std':>10}")
+    for r in results:
+        for key, n, mean, std in summary(r["samples"], r["metrics"]):
+            print(f"{r['adapter']:<{width}}  {r['bound_modules']:>5}  {key:<48} {n:>5} {mean:>10.4f} {std:>10.4f}")
+    print(f"wrote metrics.json, samples.jsonl and grids to {args.output_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
