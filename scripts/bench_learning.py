@@ -574,6 +574,7 @@ def main(argv=None) -> dict[str, Any]:
 
     records: dict[str, RunRecord] = {}
     runs: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
     labels = {n: ALGORITHMS[n].label for n in args.names}
     for name in args.names:
         algo = ALGORITHMS[name]
@@ -587,9 +588,16 @@ def main(argv=None) -> dict[str, Any]:
         trainer_argv = to_argv(flags)
         say(f"== {name} ({algo.label}): {algo.script} {' '.join(trainer_argv)}")
         start = time.perf_counter()
-        run_trainer(algo.script, trainer_argv, nproc=1, timeout_s=timeout_s, log_path=log_path)
+        try:  # a failed run is reported and the others still run (one GPU session may be all there is)
+            run_trainer(algo.script, trainer_argv, nproc=1, timeout_s=timeout_s, log_path=log_path)
+            rec = read_run(run_dir)
+        except (AssertionError, TimeoutError, RuntimeError) as error:
+            failed[name] = str(error)[-4000:]
+            runs[name] = {"algorithm": algo.label, "script": algo.script, "settings": flags, "error": failed[name]}
+            say(f"   {name} FAILED: {str(error)[-1500:]}")
+            continue
         wall = time.perf_counter() - start
-        records[name] = rec = read_run(run_dir)
+        records[name] = rec
         runs[name] = run_entry(algo, flags, trainer_argv, rec, wall, run_dir)
         last = rec.curve[-1]
         say(f"   {name}: {rec.steps} steps, {rec.gpu_seconds:.1f} GPU-s, {wall:.1f} s wall; held-out reward "
@@ -612,7 +620,13 @@ def main(argv=None) -> dict[str, Any]:
     }
     title = (f"bench_learning: {', '.join(labels.values())}; "
              + (f"{args.steps} steps each" if budget_s is None else f"{budget_s:g} s budget each"))
-    return write_report(records, runs, labels, header, args.out_dir, title, say=say)
+    if not records:
+        raise SystemExit(f"every run failed ({', '.join(failed)}); see {log_path}")
+    doc = write_report(records, runs, {n: labels[n] for n in records}, header, args.out_dir, title, say=say)
+    if failed:
+        raise SystemExit(f"runs {', '.join(failed)} failed (their errors are in {FILES['json']} and {log_path}); "
+                         f"the report covers {', '.join(records)}")
+    return doc
 
 
 def _finite(value: Any) -> Any:

@@ -265,3 +265,35 @@ def test_smoke_runs_all_four_trainers_and_writes_the_files(tiny_models, tmp_path
     assert_png(out / B.FILES["grids"])
     log = (out / B.FILES["log"]).read_text()
     assert log.count("validation @ step 0") == 4 and "train_nft.py" in log
+
+
+def test_main_reports_a_failed_run_and_keeps_the_others(tiny_models, tmp_path, monkeypatch):
+    """main's loop with the trainer launch replaced by a fake that leaves a run's logs (or fails for grpo): the
+    flags reach the launcher, a failed run is reported in the JSON and on exit, the other three are summarized."""
+    launched = []
+
+    def fake_run_trainer(script, argv, *, nproc, timeout_s, log_path):
+        launched.append((script, list(argv)))
+        if "flow_grpo" in argv:
+            raise AssertionError("boom: the trainer failed")
+        out = argv[argv.index("--output_dir") + 1]
+        gain = 0.0 if argv[argv.index("--lr") + 1] == "0.0" else 0.2
+        fake_run(out, [1.0, 2.0], {0: (0.3, 0.1), 2: (0.3 + gain, 0.1 + gain)}, grid_steps=(0, 2))
+
+    monkeypatch.setenv("TINY_MODELS_DIR", tiny_models)
+    monkeypatch.setattr(B, "run_trainer", fake_run_trainer)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="runs grpo failed"):
+        B.main(["--smoke", "--out_dir", str(out), "--set", "nft.mix_beta=0.3"])
+    assert [s for s, _ in launched] == ["train_nft.py", "train_dppo.py", "train_dppo.py", "train_dppo.py"]
+    nft_argv = launched[0][1]
+    assert nft_argv[nft_argv.index("--mix_beta") + 1] == "0.3" and "--max_wall_time_s" not in nft_argv
+    assert nft_argv[nft_argv.index("--total_training_steps") + 1] == "2"
+    doc = json.loads((out / B.FILES["json"]).read_text())
+    assert "boom" in doc["runs"]["grpo"]["error"] and "curve" not in doc["runs"]["grpo"]
+    assert doc["runs"]["nft"]["gain_vs_control"]["reward"] == pytest.approx(0.2)
+    assert doc["runs"]["nft"]["reward_gain_vs_control_per_gpu_second"] == pytest.approx(0.2 / 3.0)
+    assert doc["result"]["fastest"] in ("nft", "dppo") and "nft_vs_grpo" not in doc["result"]
+    assert_png(out / B.FILES["plot"])
+    assert_png(out / B.FILES["grids"])
+    assert "grpo FAILED" in (out / B.FILES["log"]).read_text()
