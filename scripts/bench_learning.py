@@ -21,6 +21,9 @@ and the exact-match extra `val-aux/ocr/ocr/exact_match/mean@1`, read back from T
 GPU_SECONDS. Outputs in --out_dir: bench_learning.json, bench_learning.png (both curves against GPU-seconds),
 bench_learning_grids.png (each run's validation grid at step 0 and at its last step) and bench_learning.log (every
 trainer's output), and a final table on stdout naming the algorithm that learned fastest per GPU-second.
+
+From Python (e.g. a CPU learning test): `main(argv)` returns the JSON document (`doc["runs"][name]["gain_vs_control"]`
+...); `read_run(run_dir)` and `summarize_runs(records)` work on any trainer output dir with validation.
 """
 
 from __future__ import annotations
