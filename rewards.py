@@ -18,6 +18,7 @@ Conventions (spec rewards_data_anchors.md §1-2):
 
 Extras (numeric, (B,) float32, NaN where a sample was not scored by that reward): `reward/<name>` for every reward
 computed; `pickscore/raw` = exp(logit_scale)*cos before the /26 (the published PickScore scale, ~21-24);
+`ocr/exact_match` = 1 when the whole normalised transcription equals the normalised target, else 0;
 `reward/combined` for multi-reward. Metric keys are built by the trainers (training.validation_metrics); in a batch
 that mixes data sources, average extras with NaNs dropped.
 
@@ -38,6 +39,7 @@ import hashlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import socket
@@ -122,6 +124,12 @@ def ocr_score(transcription: str, target: str) -> float:
     dist = 0 if gt in text else Levenshtein.distance(text, gt)
     dist = min(dist, len(gt))
     return 1.0 - dist / len(gt)
+
+
+def ocr_exact_match(transcription: str, target: str) -> float:
+    """1.0 when the transcription equals the target after `ocr_score`'s normalisation (every whitespace removed,
+    lowercase), else 0.0: extra text, which `ocr_score` forgives as a substring, is not an exact match."""
+    return float(_WHITESPACE.sub("", transcription).lower() == _WHITESPACE.sub("", target).lower())
 
 
 def png_data_url(image: Image.Image) -> str:
@@ -330,11 +338,12 @@ class RapidOCRReader:
     RapidOCR's own default ("min" side 736) upsamples a 256^2 image ~3x and is ~10x slower.
     """
 
-    def __init__(self, *, det_limit_side_len: int = 960, min_confidence: float = 0.0, num_threads: int = 1):
+    def __init__(self, *, det_limit_side_len: int = 960, min_confidence: float = 0.0, num_threads: int = 1,
+                 num_workers: int = 1):
         from rapidocr import RapidOCR
 
         self.min_confidence = min_confidence
-        self.engine = RapidOCR(params={
+        params = {
             "Global.use_cls": False,
             "Global.text_score": 0.0,
             "Global.log_level": "warning",
@@ -342,16 +351,37 @@ class RapidOCRReader:
             "Det.limit_side_len": det_limit_side_len,
             "EngineConfig.onnxruntime.intra_op_num_threads": num_threads,
             "EngineConfig.onnxruntime.inter_op_num_threads": 1,
-        })
+        }
+        # num_workers > 1: one engine per process of a spawn pool (RapidOCR's pre/post-processing holds the GIL, and
+        # small images leave onnxruntime's intra-op threads idle); a worker that dies raises BrokenProcessPool.
+        self.pool = None if num_workers <= 1 else concurrent.futures.ProcessPoolExecutor(
+            num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_rapidocr_init,
+            initargs=(params,))
+        self.engine = RapidOCR(params=params) if self.pool is None else None
 
     def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
-        replies = []
-        for img in images:
-            out = self.engine(np.asarray(img))  # RGB HWC uint8; errors propagate
-            txts = out.txts or ()
-            scores = out.scores or ()
-            replies.append("".join(t for t, s in zip(txts, scores) if s > self.min_confidence))
-        return replies
+        arrays = [np.asarray(img) for img in images]  # RGB HWC uint8; errors propagate
+        if self.pool is not None:
+            lines = list(self.pool.map(_rapidocr_lines, arrays))
+        else:
+            lines = [_rapidocr_lines(array, self.engine) for array in arrays]
+        return ["".join(t for t, s in found if s > self.min_confidence) for found in lines]
+
+
+_RAPIDOCR_ENGINE = None  # the engine of a RapidOCRReader pool process
+
+
+def _rapidocr_init(params: dict) -> None:
+    global _RAPIDOCR_ENGINE
+    from rapidocr import RapidOCR
+
+    _RAPIDOCR_ENGINE = RapidOCR(params=params)
+
+
+def _rapidocr_lines(array: np.ndarray, engine=None) -> list[tuple[str, float]]:
+    """(text, confidence) of every detected line, in reading order (`engine`: this process's pool engine if None)."""
+    out = (engine or _RAPIDOCR_ENGINE)(array)
+    return list(zip(out.txts or (), out.scores or ()))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -663,6 +693,7 @@ class RewardConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rapidocr_det_limit_side_len: int = 960
     rapidocr_threads: int = 1
+    rapidocr_workers: int = 1
     pickscore_path: str | None = None
     pickscore_processor_path: str | None = None
     pickscore_device: str = "auto"
@@ -690,6 +721,7 @@ class RewardConfig:
             genrm_backoff_s=args.genrm_backoff_s,
             sampling=SamplingConfig(args.genrm_temperature, args.genrm_top_p, args.genrm_max_tokens, args.genrm_seed),
             rapidocr_det_limit_side_len=args.rapidocr_det_limit_side_len, rapidocr_threads=args.rapidocr_threads,
+            rapidocr_workers=args.rapidocr_workers,
             pickscore_path=args.pickscore_path, pickscore_processor_path=args.pickscore_processor_path,
             pickscore_device=args.pickscore_device, pickscore_cache_dir=args.pickscore_cache_dir,
             pickscore_batch_size=args.pickscore_batch_size,
@@ -734,6 +766,8 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rapidocr_det_limit_side_len", type=int, default=960,
                    help="rapidocr backend: detector resizes so the longer side is at most this")
     g.add_argument("--rapidocr_threads", type=int, default=1, help="rapidocr backend: onnxruntime intra-op threads")
+    g.add_argument("--rapidocr_workers", type=int, default=1,
+                   help="rapidocr backend: engine processes scoring a batch in parallel (1 = in this process)")
     g.add_argument("--pickscore_path", default=None,
                    help="transformers CLIPModel folder of PickScore_v1 (converted once to open_clip, cached)")
     g.add_argument("--pickscore_processor_path", default=None,
@@ -785,7 +819,8 @@ class RewardScorer:
                                                         batch_size=c.genrm_batch_size)
                 else:
                     self._ocr_reader = RapidOCRReader(det_limit_side_len=c.rapidocr_det_limit_side_len,
-                                                      num_threads=c.rapidocr_threads)
+                                                      num_threads=c.rapidocr_threads,
+                                                      num_workers=c.rapidocr_workers)
             return self._ocr_reader
 
     def pickscore(self) -> PickScore:
@@ -818,7 +853,8 @@ class RewardScorer:
             if len(replies) != len(pil):
                 raise RuntimeError(f"OCR reader returned {len(replies)} replies for {len(pil)} images")
             scores = torch.tensor([ocr_score(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
-            return scores, {}, {"ocr/response": replies}
+            exact = torch.tensor([ocr_exact_match(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
+            return scores, {"ocr/exact_match": exact}, {"ocr/response": replies}
         if name == "pickscore":
             scores, raw = self.pickscore()(images, gts)
             return scores, {"pickscore/raw": raw}, {}

@@ -85,6 +85,34 @@ def test_rapidocr_reads_rendered_text_and_not_noise():
     print(f"RapidOCR: {elapsed / 3:.2f}s per image (incl. first-call warm-up)")
 
 
+@pytest.mark.parametrize("transcription,target,expected", [
+    ("Grand Opening", "grand opening", 1.0),                              # normalised as ocr_score: case, spaces
+    ("GRAND\nOPENING", "Grand Opening", 1.0),
+    ("The sign reads: GRAND OPENING today!", "Grand Opening", 0.0),      # ocr_score's substring credit is 1 here
+    ("Grand Openin", "Grand Opening", 0.0),
+    ("", "", 1.0),
+])
+def test_ocr_exact_match_cases(transcription, target, expected):
+    assert R.ocr_exact_match(transcription, target) == expected
+
+
+def test_rapidocr_exact_match_extra_and_process_pool_agree():
+    """score_batch returns `ocr/exact_match` beside the Levenshtein reward (1 only for a whole-string match), and a
+    two-process RapidOCR pool transcribes exactly what the in-process engine does, in the input order."""
+    images = [text_image("Hello World 42"), noise_image(), text_image("Hello World 42 and more"), text_image("Stop")]
+    gts = ["Hello World 42", "Hello World 42", "Hello World 42", "Stop"]
+    serial = R.RewardScorer(R.RewardConfig(ocr_backend="rapidocr")).score_batch(images, gts, ["ocr"] * 4)
+    assert serial.extras["ocr/exact_match"].tolist() == [1.0, 0.0, 0.0, 1.0], serial.texts
+    assert serial.rewards[2].item() == 1.0  # the substring still scores 1
+    pooled_scorer = R.RewardScorer(R.RewardConfig(ocr_backend="rapidocr", rapidocr_workers=2))
+    pooled = pooled_scorer.score_batch(images, gts, ["ocr"] * 4)
+    assert pooled_scorer.ocr_reader().pool is not None
+    assert pooled.texts == serial.texts
+    assert torch.equal(pooled.rewards, serial.rewards)
+    assert torch.equal(pooled.extras["ocr/exact_match"], serial.extras["ocr/exact_match"])
+    pooled_scorer.ocr_reader().pool.shutdown()
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # GenRM over HTTP: a local OpenAI-compatible test server on loopback
 # ------------------------------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ adapter's schedule, fail-closed guidance, and learning beyond a lr = 0 control."
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from data_prep.make_demo_data import make_demo_data
+from trainer_runs import free_port, run_trainer, scalars
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(device="cpu", rollout_devices="cpu", rollout_threads=1, height=64, width=64, num_inference_steps=4,
@@ -33,30 +33,6 @@ def demo_data(tmp_path_factory):
         make_demo_data(root / model, model=model)
         out[model] = root / model
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_trainer(script: str, args: list[str], *, nproc: int = 2, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), os.path.join(REPO, script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def values(metrics, key):
