@@ -14,7 +14,8 @@ Phases, resumable across 10-minute device calls (each call ends by itself inside
   transformer  encode the renders once to packed latents (cached on the device) and train the transformer with
                flow matching through `QwenImageModel.predict_velocity` (x_s = (1-s) x0 + s eps, target eps - x0,
                timestep = sigma, the wrapper's prompt template and packing), EMA weights, bf16 autocast,
-               torch.compile of the repeated blocks; a held-out OCR eval (ODE sampling with the RL schedule, the
+               torch.compile of the repeated blocks (--compile auto: when the call has minutes of training
+               left); a held-out OCR eval (ODE sampling with the RL schedule, the
                project's rapidocr reward on a process pool, asynchronous) every --eval_every_s decides the stop:
                the first eval with mean reward in --window and >= --stop_reward ends pretraining (if an eval
                overshoots the window, the previous in-window snapshot is kept);
@@ -23,8 +24,9 @@ Every call ends with a final eval (held-out templates x --final_seeds at each --
 weights that ship) and prints the held-out reward curve against training seconds.
 
 GPU (one H200), two calls; the state comes back in $OUT and is carried into the next call as `.pretrain_state/`:
-  call 1:  python3 scripts/pretrain_ocr_mini.py --state_dir $OUT --time_budget_s 520
-  call 2:  python3 scripts/pretrain_ocr_mini.py --state_dir $OUT --resume_from .pretrain_state --time_budget_s 520
+  call 1:  python3 scripts/pretrain_ocr_mini.py --state_dir $OUT --time_budget_s 380
+  call 2:  python3 scripts/pretrain_ocr_mini.py --state_dir $OUT --resume_from .pretrain_state --time_budget_s 380
+  (up to --time_budget_s 520 fits a 10-minute call with the wheel install; more calls continue the same way)
 Then, on any machine:
   python3 scripts/pretrain_ocr_mini.py --state_dir .pretrain_state --export_ship assets/ocr_mini
   python3 scripts/pretrain_ocr_mini.py --assemble assets/ocr_mini .cache/ocr_mini    # loadable pipeline folder
@@ -596,10 +598,10 @@ def encode_prompts(model, prompts: Sequence[Any], chunk: int = 64):
 
 
 @torch.no_grad()
-def sample_images(model, prompts: Sequence[str], seeds: Sequence[int], steps: int, size: int, amp: Callable,
-                  batch: int = 256) -> torch.Tensor:
-    """uint8 (B, 3, size, size) on the CPU: the native engine's ODE rollout (`rollout.rl_denoise` with
-    noise_level 0, the model's schedule, per-row generators seeded from `seeds`, true CFG off) then decode."""
+def sample_latents(model, prompts: Sequence[str], seeds: Sequence[int], steps: int, size: int, amp: Callable,
+                   batch: int = 256) -> torch.Tensor:
+    """fp32 packed latents (B, (size/16)^2, 64) of the native engine's ODE rollout: per-row generators seeded from
+    `seeds` for the noise, the model's schedule, `rollout.rl_denoise` with noise_level 0, true CFG off."""
     import rollout
 
     with amp():
@@ -614,11 +616,20 @@ def sample_images(model, prompts: Sequence[str], seeds: Sequence[int], steps: in
             latents = model.prepare_noise(size, size, generators).to(model.device)
             velocity_fn = lambda x, sigma: model.guided_velocity(  # noqa: E731
                 x, sigma, prompt, None, 1.0, height=size, width=size)
-            latents = rollout.rl_denoise(velocity_fn, latents, sigmas, generators, [steps] * len(rows), 0,
-                                         noise_level=0.0, sde_type="sde", keep_trajectory=False,
-                                         keep_log_probs=False)[0]
-            out.append(model.decode(latents, height=size, width=size).cpu())
+            out.append(rollout.rl_denoise(velocity_fn, latents, sigmas, generators, [steps] * len(rows), 0,
+                                          noise_level=0.0, sde_type="sde", keep_trajectory=False,
+                                          keep_log_probs=False)[0])
     return torch.cat(out)
+
+
+@torch.no_grad()
+def sample_images(model, prompts: Sequence[str], seeds: Sequence[int], steps: int, size: int, amp: Callable,
+                  batch: int = 256) -> torch.Tensor:
+    """uint8 (B, 3, size, size) on the CPU: `sample_latents`, then the wrapper's decode."""
+    latents = sample_latents(model, prompts, seeds, steps, size, amp, batch)
+    with amp():
+        return torch.cat([model.decode(latents[i:i + batch], height=size, width=size).cpu()
+                          for i in range(0, latents.shape[0], batch)])
 
 
 def start_point_action(mean: float, previous_mean: float | None, *, window: tuple[float, float],
@@ -708,12 +719,28 @@ class Run:
     pool: CpuPool | None = None
     log_path: Path | None = None
     ema: Any = None               # the transformer's EMA copy once the transformer phase runs
+    ocr_rate: float | None = None  # images/s of the last asynchronous OCR job (submission to result)
+    ocr_jobs: int = 0              # asynchronous OCR jobs collected (the first one also starts the OCR engines)
+
+    def record_ocr_rate(self, images: int, seconds: float) -> None:
+        self.ocr_jobs += 1
+        if self.ocr_jobs > 1:
+            self.ocr_rate = images / max(seconds, 1e-3)
 
     def now(self) -> float:
         return time.monotonic() - self.t_start
 
     def time_left(self) -> float:
         return self.args.time_budget_s - self.now()
+
+    def reserve(self) -> float:
+        """Seconds kept for the end of the call: --reserve_s, or more when the measured OCR rate says the last
+        periodic eval plus the final eval take longer (1.3x margin + 15 s for sampling and saving)."""
+        a = self.args
+        if not self.ocr_rate:
+            return a.reserve_s
+        images = len(self.words) * (a.eval_seeds + len(HELDOUT_TEMPLATES) * a.final_seeds * len(a.final_eval_steps))
+        return max(a.reserve_s, 15.0 + 1.3 * images / self.ocr_rate)
 
     def total_s(self) -> float:
         return self.total_s_before + self.now()
@@ -839,6 +866,7 @@ def vae_eval_set(run: Run) -> tuple[torch.Tensor, list[str]]:
 
 def record_vae_eval(run: Run, pending: PendingScore) -> dict[str, float]:
     scores, _, ocr_s = pending.get()
+    run.record_ocr_rate(len(scores), ocr_s)
     metrics = ocr_metrics(scores[:, None])
     meta = pending.meta
     run.state["curves"]["vae_eval"].append({"total_s": meta["total_s"], "vae_s": meta["vae_s"], "step": meta["step"],
@@ -875,7 +903,7 @@ def train_vae(run: Run, vae: torch.nn.Module, images: torch.Tensor) -> bool:
         if st["seconds"] >= args.vae_max_s:
             done, reason = True, f"--vae_max_s {args.vae_max_s} reached"
             break
-        if run.time_left() < args.reserve_s:
+        if run.time_left() < run.reserve():
             break
         if pending is None and elapsed >= next_eval:
             vae.eval()
@@ -970,6 +998,14 @@ def build_latent_data(run: Run, vae: torch.nn.Module, images: torch.Tensor) -> L
     return LatentData(latents, prompt_ids, table.embeds.float(), table.mask)
 
 
+def should_compile(mode: str, expected_train_s: float, min_s: float) -> bool:
+    """'blocks' / 'none' as given; 'auto' compiles when this call expects at least `min_s` seconds of training:
+    compiling costs about a minute once per call and pays back only over a few minutes of faster steps."""
+    if mode not in ("auto", "blocks", "none"):
+        raise ValueError(f"--compile must be auto, blocks or none, got {mode!r}")
+    return mode == "blocks" or (mode == "auto" and expected_train_s >= min_s)
+
+
 def compile_blocks(transformer: torch.nn.Module) -> None:
     """torch.compile of each QwenImageTransformerBlock (diffusers' regional compilation; one graph, reused)."""
     transformer.compile_repeated_blocks(dynamic=False)
@@ -1024,6 +1060,7 @@ class HeldoutEval:
         run, args, meta = self.run, self.run.args, self.pending.meta
         scores, texts, ocr_s = self.pending.get(timeout_s=max(30.0, run.time_left()))
         self.pending = None
+        run.record_ocr_rate(len(scores), ocr_s)
         metrics = ocr_metrics(scores.reshape(len(self.items), args.eval_seeds))
         curve = run.state["curves"]["eval"]
         previous = curve[-1]["mean"] if curve else None
@@ -1064,7 +1101,8 @@ def train_transformer(run: Run, vae: torch.nn.Module, transformer: torch.nn.Modu
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + 101 + len(run.state["calls"]))
     mu = schedule_mu(run.base.scheduler_config, data.latents.shape[1])
     evaluator = HeldoutEval(run, ema_model, ema)
-    compiled = args.compile == "blocks"
+    expected_s = min(run.time_left() - run.reserve(), args.transformer_max_s - st["train_seconds"])
+    compiled = should_compile(args.compile, expected_s, args.compile_min_s)
     if compiled:
         compile_blocks(transformer)
     step0, seconds0, train0, t_phase = st["steps"], st["seconds"], st["train_seconds"], time.monotonic()
@@ -1072,7 +1110,8 @@ def train_transformer(run: Run, vae: torch.nn.Module, transformer: torch.nn.Modu
     next_eval, next_log, loss_acc, acc_n = args.eval_every_s, args.log_every_s, None, 0
     perm, ptr = torch.randperm(n, generator=gen, device=device), 0
     run.log(f"[transformer] training {sum(p.numel() for p in params) / 1e6:.2f}M params on {n} latents, batch "
-            f"{args.batch_size}, lr {args.lr}, ema {args.ema_decay}, mu {mu:.3f}, compile {args.compile}, from step "
+            f"{args.batch_size}, lr {args.lr}, ema {args.ema_decay}, mu {mu:.3f}, compile {args.compile} -> "
+            f"{'blocks' if compiled else 'none'} (~{expected_s:.0f} s of training expected), from step "
             f"{step0} ({st['images']} images, {train0:.0f} s of training so far)")
     while True:
         st["seconds"], st["train_seconds"] = seconds0 + time.monotonic() - t_phase, train0 + train_s
@@ -1084,7 +1123,7 @@ def train_transformer(run: Run, vae: torch.nn.Module, transformer: torch.nn.Modu
         if st["train_seconds"] >= args.transformer_max_s:
             reason = f"--transformer_max_s {args.transformer_max_s} reached"
             break
-        if run.time_left() < args.reserve_s:
+        if run.time_left() < run.reserve():
             break
         if evaluator.pending is None and train_s >= next_eval:
             evaluator.submit()
@@ -1471,7 +1510,7 @@ SMOKE_PROFILE = {
     "vae_base_dim": 4, "vae_batch": 8, "vae_max_s": 4.0, "vae_eval_every_s": 2.0, "vae_eval_images": 4,
     "vae_warmup_steps": 5, "layers": 1, "width": 32, "head_dim": 16, "batch_size": 32, "warmup_steps": 5,
     "transformer_max_s": 4.0, "eval_every_s": 2.0, "eval_seeds": 2, "eval_steps": 4, "final_eval_steps": [4],
-    "final_seeds": 2, "workers": 2, "time_budget_s": 240.0, "reserve_s": 1.0, "log_every_s": 1.0,
+    "final_seeds": 2, "workers": 2, "time_budget_s": 1200.0, "reserve_s": 1.0, "log_every_s": 1.0,
     "stats_images": 32, "encode_batch": 64, "eval_batch": 16, "lr": 1e-3, "min_transformer_s": 0.0,
 }
 
@@ -1500,8 +1539,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="this call ends by itself (final eval and saving included) within this many seconds of "
                         "main() starting; leave ~80 s of a 600 s device call for the wheel install and imports")
     g.add_argument("--reserve_s", type=float, default=45.0,
-                   help="seconds kept for the last eval, the final eval and saving")
-    g.add_argument("--vae_max_s", type=float, default=180.0, help="cumulative VAE training seconds at most")
+                   help="seconds kept for the last eval, the final eval and saving (at least; raised when the "
+                        "measured OCR rate needs more)")
+    g.add_argument("--vae_max_s", type=float, default=150.0, help="cumulative VAE training seconds at most")
     g.add_argument("--transformer_max_s", type=float, default=float("inf"),
                    help="cumulative transformer training seconds at most")
     g.add_argument("--min_transformer_s", type=float, default=60.0,
@@ -1553,8 +1593,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("system")
     g.add_argument("--device", default="cuda")
     g.add_argument("--amp", choices=("bf16", "none"), default="bf16", help="autocast dtype of the forwards")
-    g.add_argument("--compile", choices=("blocks", "none"), default="blocks",
-                   help="torch.compile the transformer's repeated blocks (falls back to eager, loudly, on failure)")
+    g.add_argument("--compile", choices=("auto", "blocks", "none"), default="auto",
+                   help="torch.compile the transformer's repeated blocks (falls back to eager, loudly, on failure); "
+                        "auto = only when the call expects >= --compile_min_s of transformer training")
+    g.add_argument("--compile_min_s", type=float, default=150.0)
     raw = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(raw)
     if args.smoke:  # the profile replaces every flag not given on the command line
@@ -1690,7 +1732,7 @@ def run_phases(run: Run) -> None:
             save_curve_png(state, run.state_dir / "curve.png")
             return
     vae.eval().requires_grad_(False)
-    if run.time_left() < args.reserve_s + args.min_transformer_s:
+    if run.time_left() < run.reserve() + args.min_transformer_s:
         run.log(f"only {run.time_left():.0f} s left: the transformer starts in the next call")
         print_curve(run)
         save_curve_png(state, run.state_dir / "curve.png")

@@ -187,6 +187,39 @@ def test_flow_matching_loss_interpolates_and_targets_eps_minus_x0():
     torch.testing.assert_close(pom.flow_matching_loss(zero, x0, "p", sigmas, noise), ((noise - x0) ** 2).mean())
 
 
+def test_flow_matching_training_and_the_ode_sampler_agree(tiny_models):
+    """A tiny transformer trained with flow_matching_loss on two prompts, each with ONE fixed latent (+R / -R),
+    generates that prompt's latent through the RL sampler; a wrong velocity sign, time direction or timestep
+    convention would not."""
+    from models.base import PromptEmbeds
+    from models.qwen_image import QwenImageModel
+
+    base = QwenImageModel.from_pretrained(f"{tiny_models}/qwen_image")
+    torch.manual_seed(0)
+    transformer = __import__("diffusers").QwenImageTransformer2DModel(**pom.transformer_config(2, 64, 32, 32))
+    pom.adaln_zero_init(transformer)
+    model = QwenImageModel(transformer, base.vae, base.text_encoder, base.tokenizer, base.scheduler_config)
+    prompts = ['A sign that says "cat"', 'A sign that says "dog"']
+    table = pom.encode_prompts(base, prompts)
+    target = torch.randn(1, 4, 64)  # 32x32 images: 4 packed tokens
+    x0_of = torch.cat([target, -target])
+    mu = pom.schedule_mu(base.scheduler_config, 4)
+    opt = torch.optim.AdamW(transformer.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):  # measured: cos 0.93-0.96 after 150 steps; -0.2 with the velocity sign flipped
+        rows = torch.randint(0, 2, (16,), generator=g)
+        x0, noise = x0_of[rows], torch.randn(16, 4, 64, generator=g)
+        sigmas = pom.train_sigmas(16, mu, g, torch.device("cpu"))
+        loss = pom.flow_matching_loss(model, x0, PromptEmbeds(table.embeds[rows], table.mask[rows]), sigmas, noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    transformer.eval()
+    out = pom.sample_latents(model, prompts * 2, [5, 6, 7, 8], 10, 32, torch.no_grad)
+    cos = torch.nn.functional.cosine_similarity(out.flatten(1), x0_of.repeat(2, 1, 1).flatten(1), dim=1)
+    assert float(loss.detach()) < 0.5 and bool((cos > 0.9).all()), (float(loss.detach()), cos)
+
+
 def test_adaln_zero_init_starts_at_zero_velocity():
     from diffusers import QwenImageTransformer2DModel
 
@@ -203,6 +236,25 @@ def test_adaln_zero_init_starts_at_zero_velocity():
 # ---------------------------------------------------------------------------------------------------------------
 # Decisions, metrics, state files, datasets
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def test_reserve_grows_with_a_slow_measured_ocr_rate():
+    args = pom.parse_args(["--state_dir", "x", "--device", "cpu"])  # GPU defaults: 64 words, 4+4x4x2 images each
+    run = pom.Run(args, {}, Path("x"), torch.device("cpu"), 0.0, 0.0, pom.vocabulary(64), None)
+    assert run.reserve() == args.reserve_s == 45.0
+    run.record_ocr_rate(10, 100.0)  # the first job also starts the OCR engines: not a rate
+    assert run.ocr_rate is None and run.reserve() == 45.0
+    run.record_ocr_rate(1000, 1.0)
+    assert run.reserve() == 45.0
+    run.record_ocr_rate(500, 10.0)  # 50 images/s; 64 words * (4 + 4 x 4 x 2) = 2304 images -> 46 s, x1.3 + 15
+    assert run.reserve() == pytest.approx(15 + 1.3 * 2304 / 50)
+
+
+def test_compile_auto_only_pays_off_over_a_long_call():
+    assert pom.should_compile("auto", 300.0, 150.0) and not pom.should_compile("auto", 100.0, 150.0)
+    assert pom.should_compile("blocks", 1.0, 150.0) and not pom.should_compile("none", 1e9, 150.0)
+    with pytest.raises(ValueError, match="--compile"):
+        pom.should_compile("yes", 1.0, 1.0)
 
 
 @pytest.mark.parametrize("mean, previous, action", [
@@ -401,7 +453,7 @@ class _ScriptedPool:
         value = self.rewards[len(self.seen) - 1]
         job = type("Job", (), {"ready": lambda self: True,
                                "get": lambda self, timeout=None: [([value] * len(targets), [""] * len(targets))]})()
-        return pom.PendingScore(job, len(targets), 0.0, meta or {})
+        return pom.PendingScore(job, len(targets), __import__("time").monotonic(), meta or {})
 
 
 def test_transformer_loop_reverts_an_overshoot_and_survives_a_compile_failure(tmp_path, tiny_models, monkeypatch):
