@@ -86,7 +86,7 @@ def test_bf16_stored_base_equals_fp32_base_under_the_bf16_policy():
     assert all(p.dtype == torch.float32 for _, p in T.adapter_params(new, "default") + T.adapter_params(new, "old"))
     opts = [T.build_optimizer(m, lr=1e-2) for m in (ref, new)]
     x = torch.randn(2, 5, 4)
-    for _ in range(2):
+    for _ in range(2):  # the second forward runs on the weights after one AdamW step
         outs = []
         for model, opt in zip((ref, new), opts):
             y = model(x)
