@@ -130,10 +130,13 @@ def config_flags(config: str, recipe: str, blocks: int, args) -> list[str]:
 
 
 def trainer_supports(flag_text: str) -> bool:
-    """Whether the trainers' common flags mention `flag_text` (e.g. the colocated rollout layout), read from the
-    source so no CUDA process is started for it."""
-    with open(os.path.join(REPO, "training", "step.py"), encoding="utf-8") as f:
-        return flag_text in f.read()
+    """Whether the trainers' flags or the rollout module mention `flag_text` (e.g. the colocated rollout layout),
+    read from the source so that no process is started for it."""
+    for name in (os.path.join("training", "step.py"), "rollout.py"):
+        with open(os.path.join(REPO, name), encoding="utf-8") as f:
+            if flag_text in f.read():
+                return True
+    return False
 
 
 def layout_of(config: str, gpus: int, smoke: bool) -> dict[str, Any]:
@@ -298,15 +301,13 @@ def summarize(run: dict[str, Any], scalars: dict[str, dict[int, float]], step_ti
                                  if k.startswith("perf/max_memory_")}
 
 
-def run_config(recipe: str, config: str, model_path: str, train_files: str, out_dir: str, args,
-               deadline: float) -> dict[str, Any]:
+def trainer_argv(recipe: str, config: str, model_path: str, train_files: str, run_dir: str,
+                 args) -> tuple[list[str], dict[str, Any], int]:
+    """(the trainer's flags, the layout, images per step) of one run."""
     family = FAMILY_OF[recipe]
     layout = layout_of(config, args.gpus, args.smoke)
     flags, images = recipe_flags(recipe, args.per_gpu_images, layout["trainer_ranks"], args.smoke)
     blocks = BLOCKS[family](args) if not args.smoke else 4
-    flags += config_flags(config, recipe, blocks, args)
-    run_dir = os.path.join(out_dir, f"{recipe}-{config}")
-    shutil.rmtree(run_dir, ignore_errors=True)
     size = ["--height", "64", "--width", "64", "--num_inference_steps", "4", "--lora_rank", "4", "--lora_alpha", "8",
             "--device", "cpu", "--rollout_threads", "1"] if args.smoke else \
         ["--height", "512", "--width", "512", "--num_inference_steps", "10", "--lora_rank", "64", "--lora_alpha",
@@ -315,7 +316,15 @@ def run_config(recipe: str, config: str, model_path: str, train_files: str, out_
     common = ["--model_path", model_path, "--train_files", train_files, "--rollout_devices", layout["rollout_devices"],
               "--total_training_steps", str(args.steps), "--save_freq", "1000000", "--resume", "never",
               "--output_dir", run_dir, "--seed", "42"] + size
-    argv = common + flags  # later flags win in argparse: the configuration's override the recipe's
+    # later flags win in argparse: the configuration's override the recipe's
+    return common + flags + config_flags(config, recipe, blocks, args), layout, images
+
+
+def run_config(recipe: str, config: str, model_path: str, train_files: str, out_dir: str, args,
+               deadline: float) -> dict[str, Any]:
+    run_dir = os.path.join(out_dir, f"{recipe}-{config}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv, layout, images = trainer_argv(recipe, config, model_path, train_files, run_dir, args)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(layout["trainer_ranks"]),
                "--master_port", str(_free_port()), os.path.join(REPO, TRAINER_OF[recipe]), *argv]
     run: dict[str, Any] = {"recipe": recipe, "config": config, "trainer": TRAINER_OF[recipe], "layout": layout,
@@ -344,8 +353,11 @@ def run_config(recipe: str, config: str, model_path: str, train_files: str, out_
         run["process_memory"] = poller.report()
     if run["status"] != "ok":
         run["error_tail"] = (stdout[-1500:] + "\n" + stderr[-4000:]).strip()
-    summarize(run, read_scalars(run_dir) if run["status"] == "ok" else {}, progress_step_times(stdout), images,
-              args.warmup_steps)
+    try:  # a failed or killed run may still have flushed some steps
+        scalars = read_scalars(run_dir)
+    except Exception:  # noqa: BLE001 (a truncated event file)
+        scalars = {}
+    summarize(run, scalars, progress_step_times(stdout), images, args.warmup_steps)
     return run
 
 

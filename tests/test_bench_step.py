@@ -76,3 +76,31 @@ def test_configs_must_include_the_baseline():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), "--smoke", "--configs",
                            "optimized"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "must include baseline" in proc.stderr
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_gpu_runs_build_flags_every_trainer_accepts(gpus):
+    """The GPU runs cannot run here: their trainer flags (every recipe x configuration, 1 and 4 GPUs) must at least
+    parse in the trainer they go to, with the configuration's values winning over the recipe's."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import bench_step
+    import train_dppo
+    import train_nft
+
+    args = bench_step.parse_args(["--gpus", str(gpus), "--recipe", "boogu_nft"])
+    for recipe, trainer in bench_step.TRAINER_OF.items():
+        for config in bench_step.CONFIGS:
+            argv, layout, images = bench_step.trainer_argv(recipe, config, "/m", "/t.parquet", "/out", args)
+            parsed = (train_nft if trainer == "train_nft.py" else train_dppo).parse_args(argv)
+            assert parsed.device == "cuda" and parsed.activation_checkpointing and parsed.height == 512
+            assert parsed.base_weights_dtype == ("fp32" if config == "baseline" else "compute")
+            assert images == parsed.train_batch_size * parsed.rollout_n
+            assert images // layout["trainer_ranks"] % parsed.micro_batch_size == 0
+            if trainer == "train_nft.py":
+                assert parsed.train_cfg == ("off" if config in ("optimized", "optimized_ckpt_half") else "rollout")
+            else:
+                assert parsed.old_log_probs == ("recompute" if config == "baseline" else "rollout")
+            if config == "optimized_ckpt_half":
+                assert parsed.activation_checkpointing_blocks == bench_step.BLOCKS[bench_step.FAMILY_OF[recipe]](
+                    args) // 2
+    assert bench_step.layout_of("baseline", gpus, False)["gpus_used"] == gpus
