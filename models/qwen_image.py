@@ -103,7 +103,7 @@ def qwen_image_forward_flops(config: Any, image_tokens: int, text_tokens: Sequen
 
     verl-omni's formula (spec rewards_data_anchors.md §4.3) divided by 3 (it counts forward + backward), with
     dim = heads·head_dim, L layers, per sample b with n_i image and n_t text tokens:
-      2·(L·12·dim² + in_channels·dim + p²·out_channels·dim)·n_i     image stream (QKV+out 4, MLP 8; img_in, proj_out)
+      2·(L·12·dim² + in_channels·dim + p²·out_channels·dim)·n_i     image stream (QKV+out 4, MLP 8; in/out proj)
     + 2·(L·12·dim² + joint_attention_dim·dim)·n_t                   text stream (+ txt_in)
     + 2·L·12·dim²                                                   per-sample modulation (img_mod, txt_mod)
     + 4·L·dim·(n_i + n_t)²                                          joint attention (QK^T and AV)

@@ -1,5 +1,6 @@
-"""Model preparation: LoRA (peft) with named adapters, adapter switching, activation checkpointing, FSDP2
-`fully_shard` per block + root with a MixedPrecisionPolicy, and DTensor-aware gather / load of adapter tensors."""
+"""Model preparation: LoRA (peft) with named adapters, adapter switching, (selective) activation checkpointing, the
+frozen base weights in the compute dtype, FSDP2 `fully_shard` per block + root with a MixedPrecisionPolicy, and
+DTensor-aware gather / load of adapter tensors."""
 
 from __future__ import annotations
 
