@@ -98,12 +98,15 @@ def rl_denoise(
     sde_type: str,
     keep_trajectory: bool,
     keep_log_probs: bool,
-) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[torch.Tensor]],
+           list[list[torch.Tensor]]]:
     """The sampling loop of both engines (native and the vllm-omni RL pipelines) over a batch of rows.
 
     velocity_fn(latents (B, ...) fp32, sigma (B,) fp32) -> fp32 velocity v = eps - x0 (the model's CFG applied).
     Row b steps with `noise_level` and noise from generators[b] inside [window_starts[b], +window_size), Euler
-    (no noise drawn) outside. Returns (final fp32 latents, per-row all_latents, all_timesteps, all_log_probs lists).
+    (no noise drawn) outside. Returns (final fp32 latents, per-row all_latents, all_timesteps, all_log_probs,
+    all_means lists); all_means (with keep_trajectory) holds each window step's transition mean μ(x_t) (fp32),
+    what Flow-DPPO's bypass mode uses as μ_old instead of replaying the step.
     """
     n, steps = latents.shape[0], sigmas.shape[0] - 1
     timesteps = sigmas[:-1] * 1000
@@ -111,6 +114,7 @@ def rl_denoise(
     all_latents: list[list[torch.Tensor]] = [[] for _ in range(n)]
     all_timesteps: list[list[torch.Tensor]] = [[] for _ in range(n)]
     all_log_probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    all_means: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for i in range(steps):
         velocity = velocity_fn(latents, sigmas[i].expand(n)).float()
         in_window = [window_starts[b] <= i < window_starts[b] + window_size for b in range(n)]
@@ -130,6 +134,7 @@ def rl_denoise(
                 # one device->host copy per stored tensor and step, not one per row
                 if keep_trajectory:
                     before, after = latents[index].float().cpu(), step.prev_sample.float().cpu()
+                    means = step.prev_sample_mean.float().cpu()
                     timestep = timesteps[i].float().cpu()
                 if keep_log_probs:
                     log_probs = step.log_prob.float().cpu()
@@ -138,11 +143,12 @@ def rl_denoise(
                         if not all_latents[b]:
                             all_latents[b].append(before[j])
                         all_latents[b].append(after[j])
+                        all_means[b].append(means[j])
                         all_timesteps[b].append(timestep)
                     if keep_log_probs:
                         all_log_probs[b].append(log_probs[j])
         latents = next_latents
-    return latents, all_latents, all_timesteps, all_log_probs
+    return latents, all_latents, all_timesteps, all_log_probs, all_means
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -256,7 +262,8 @@ class RolloutResult:
     images: uint8 (B, 3, H, W). latents_clean: fp32 final latents in the model-native layout (Qwen packed
     (B, L, 64), Boogu (B, 16, h, w)).
     SDE rollouts with return_trajectory: all_latents fp32 (B, W+1, ...) = state at the window start and after every
-    window step; all_timesteps fp32 (B, W) scheduler timesteps 1000·σ (descending). With return_log_probs:
+    window step; all_timesteps fp32 (B, W) scheduler timesteps 1000·σ (descending); all_means fp32 (B, W, ...) the
+    transition mean of every window step (`losses.sde_step`'s prev_sample_mean). With return_log_probs:
     all_log_probs fp32 (B, W) (means over latent elements).
     prompt_embeds / prompt_mask and negative_embeds / negative_mask: the encoder outputs used (model dtype),
     right-padded. ref_latents: edit reference latents (B, 16, h, w) fp32.
@@ -277,6 +284,7 @@ class RolloutResult:
     all_latents: torch.Tensor | None = None
     all_timesteps: torch.Tensor | None = None
     all_log_probs: torch.Tensor | None = None
+    all_means: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -293,6 +301,7 @@ class RolloutResult:
             negative_embeds=pick(self.negative_embeds), negative_mask=pick(self.negative_mask),
             ref_latents=pick(self.ref_latents), all_latents=pick(self.all_latents),
             all_timesteps=pick(self.all_timesteps), all_log_probs=pick(self.all_log_probs),
+            all_means=pick(self.all_means),
         )
 
     def conditioning(self, device: torch.device | str) -> "Conditioning":
@@ -342,7 +351,7 @@ class RolloutResult:
             window_starts=None if parts[0].window_starts is None else [s for p in parts for s in p.window_starts],
             negative_embeds=negative_embeds, negative_mask=negative_mask, ref_latents=cat_tensor("ref_latents"),
             all_latents=cat_tensor("all_latents"), all_timesteps=cat_tensor("all_timesteps"),
-            all_log_probs=cat_tensor("all_log_probs"),
+            all_log_probs=cat_tensor("all_log_probs"), all_means=cat_tensor("all_means"),
         )
 
 
@@ -444,7 +453,7 @@ class NativeEngine:
         keep_trajectory = stochastic and request.return_trajectory
         velocity_fn = lambda x, sigma: model.guided_velocity(  # noqa: E731
             x, sigma, prompt, negative, scale, ref_latents, height=height, width=width)
-        latents, all_latents, all_timesteps, all_log_probs = rl_denoise(
+        latents, all_latents, all_timesteps, all_log_probs, all_means = rl_denoise(
             velocity_fn, latents, sigmas, generators, starts, width_w, noise_level=request.noise_level,
             sde_type=request.sde_type, keep_trajectory=keep_trajectory, keep_log_probs=request.return_log_probs)
 
@@ -476,6 +485,7 @@ class NativeEngine:
         if keep_trajectory:
             result.all_latents = torch.stack([torch.stack(rows) for rows in all_latents])
             result.all_timesteps = torch.stack([torch.stack(rows) for rows in all_timesteps])
+            result.all_means = torch.stack([torch.stack(rows) for rows in all_means])
         if request.return_log_probs:
             result.all_log_probs = torch.stack([torch.stack(rows) for rows in all_log_probs])
         return result
@@ -624,6 +634,7 @@ def parse_vllm_omni_output(output: Any) -> dict[str, Any]:
         "image": image_to_uint8(images[0]),
         "latents_clean": lat["latents_clean"].float().cpu(),
         "all_latents": None if "all_latents" not in lat else lat["all_latents"].float().cpu(),
+        "all_means": None if "all_means" not in lat else lat["all_means"].float().cpu(),
         "ref_latents": None if "ref_latents" not in lat else lat["ref_latents"].float().cpu(),
         "all_timesteps": None if output.trajectory_timesteps is None else output.trajectory_timesteps.float().cpu(),
         "all_log_probs": None if "all_log_probs" not in extra else extra["all_log_probs"].float().cpu(),
@@ -680,6 +691,7 @@ def assemble_vllm_omni_result(parts: Sequence[dict[str, Any]], request: RolloutR
         window_starts=[p["window_start"] for p in parts] if stochastic else None,
         negative_embeds=negative_embeds, negative_mask=negative_mask, ref_latents=stack("ref_latents", edit),
         all_latents=stack("all_latents", keep_trajectory), all_timesteps=stack("all_timesteps", keep_trajectory),
+        all_means=stack("all_means", keep_trajectory),
         all_log_probs=stack("all_log_probs", stochastic and request.return_log_probs),
     )
 

@@ -11,6 +11,9 @@ One rollout step:
      repeated across the W stored steps);
   3. old log-probs and transition means are RECOMPUTED by the trainer with the same weights before the update, so
      the first mini-batch has ratio = 1 exactly (the rollout's own log-probs only feed the rollout_corr/* check);
+     with --old_log_probs rollout (verl-omni's bypass mode) the rollout's own log-probs and means are used instead,
+     one forward pass per stored step fewer; rollout_corr/* is then measured in the first update mini-batch, whose
+     weights still equal the rollout's, and its ratio differs from 1 by exactly that gap;
   4. update: mini-batches in prompts (one AdamW step each), micro-batches accumulated over samples x stored steps;
      each stored step is replayed through the model wrapper (same CFG as rollout) and `losses.sde_step` with the
      stored next latent, then `losses.flow_dppo_loss` (divergence-masked, A not clamped) or
@@ -47,6 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--adv_clip_max", type=float, default=5.0, help="GRPO advantage clamp (DPPO does not clamp)")
     g.add_argument("--no_global_std", dest="global_std", action="store_false", help="per-group std")
     g.add_argument("--no_norm_adv_by_std", dest="norm_adv_by_std", action="store_false")
+    g.add_argument("--old_log_probs", default="recompute", choices=["recompute", "rollout"],
+                   help="'recompute': replay every stored step with the sampling weights before the update (step-1 "
+                        "ratio exactly 1); 'rollout': verl-omni's bypass mode, the rollout's log-probs and (DPPO) "
+                        "transition means are the old policy (no replay pass; the ratio then carries the "
+                        "rollout/trainer gap logged as rollout_corr/*)")
     args = parser.parse_args(argv)
     if not args.model_path or not args.train_files:
         parser.error("--model_path and --train_files are required (or $MODEL_PATH / $TRAIN_FILES)")
@@ -109,26 +117,33 @@ def main(argv=None) -> None:
         cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
         sigmas = result.metadata["sigmas"].to(device)
 
-        # 3. old log-probs and means, recomputed with the weights that sampled (ratio = 1 at the first update)
-        old_log_probs = torch.empty(n_local, num_w, device=device)
-        old_means = torch.empty_like(latents[:, 1:])
-        with T.timer("old_log_prob", timings), torch.no_grad():
-            for micro in range(0, n_local, args.micro_batch_size):
-                rows_ = torch.arange(micro, min(micro + args.micro_batch_size, n_local), device=device)
-                cond_mb = cond.index(rows_)
-                for j in range(num_w):
-                    out = replay(model, latents[rows_, j], timesteps[rows_, j], latents[rows_, j + 1], cond_mb,
-                                 sigmas, scale, args)
-                    old_log_probs[rows_, j] = out.log_prob
-                    old_means[rows_, j] = out.prev_sample_mean
-        rollout_gap = (old_log_probs - result.all_log_probs.to(device)).abs()
+        # 3. old log-probs and means, recomputed with the weights that sampled (ratio = 1 at the first update), or
+        #    the rollout's own (--old_log_probs rollout)
+        rollout_log_probs = result.all_log_probs.to(device)
+        if args.old_log_probs == "recompute":
+            old_log_probs = torch.empty(n_local, num_w, device=device)
+            old_means = torch.empty_like(latents[:, 1:])
+            with T.timer("old_log_prob", timings), torch.no_grad():
+                for micro in range(0, n_local, args.micro_batch_size):
+                    rows_ = torch.arange(micro, min(micro + args.micro_batch_size, n_local), device=device)
+                    cond_mb = cond.index(rows_)
+                    for j in range(num_w):
+                        out = replay(model, latents[rows_, j], timesteps[rows_, j], latents[rows_, j + 1], cond_mb,
+                                     sigmas, scale, args)
+                        old_log_probs[rows_, j] = out.log_prob
+                        old_means[rows_, j] = out.prev_sample_mean
+            first_pass = None
+        else:
+            if result.all_means is None:
+                raise RuntimeError("--old_log_probs rollout needs the rollout's transition means (all_means); this "
+                                   "rollout engine did not return them")
+            old_log_probs, old_means = rollout_log_probs, result.all_means.to(device)
+            first_pass = torch.zeros_like(old_log_probs)  # the first mini-batch's log-probs: the rollout_corr check
         # 4. update the policy
         accumulator = T.MetricAccumulator()
-        accumulator.add({"rollout_corr/logprob_abs_diff_mean": rollout_gap.mean(),
-                         "rollout_corr/logprob_abs_diff_max": rollout_gap.max()})
         samples_per_mini = (run.mini_prompts // world) * args.rollout_n
         with T.timer("update_actor", timings):
-            for _ in range(args.ppo_epochs):
+            for epoch in range(args.ppo_epochs):
                 for mini in range(0, n_local, samples_per_mini):
                     micro_starts = range(mini, mini + samples_per_mini, args.micro_batch_size)
                     for micro in micro_starts:
@@ -137,6 +152,8 @@ def main(argv=None) -> None:
                         for j in range(num_w):
                             out = replay(model, latents[rows_, j], timesteps[rows_, j], latents[rows_, j + 1],
                                          cond_mb, sigmas, scale, args)
+                            if first_pass is not None and epoch == 0 and mini == 0:  # weights = the rollout's
+                                first_pass[rows_, j] = out.log_prob.detach()
                             if args.loss == "flow_dppo":
                                 loss, loss_metrics = losses.flow_dppo_loss(
                                     out.log_prob, old_log_probs[rows_, j], advantages[rows_], out.prev_sample_mean,
@@ -151,9 +168,23 @@ def main(argv=None) -> None:
                             accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
                     accumulator.add(run.stepper.step(run.optimizer))
 
+        # rollout/trainer log-prob gap: of the recompute, or (bypass) of the first mini-batch's pass
+        if first_pass is None:
+            rollout_gap = (old_log_probs - rollout_log_probs).abs()
+        else:
+            rollout_gap = (first_pass - rollout_log_probs)[:samples_per_mini].abs()
+        accumulator.add({"rollout_corr/logprob_abs_diff_mean": rollout_gap.mean(),
+                         "rollout_corr/logprob_abs_diff_max": rollout_gap.max()})
+
         # 5. sync the policy to the rollout workers; logging, validation, checkpoint
         timings.update(run.sync_rollout(T.ADAPTER_DEFAULT, step))
         metrics.update(accumulator.reduce())
+        # model FLOPs of each phase (forward = 1, a trained forward = 3) -> perf/mfu/* and peak memory
+        per_row = T.transformer_flops(model, cond, height=args.height, width=args.width, guided=scale > 1.0)
+        metrics.update(T.phase_perf_metrics(timings, {  # gen: every rank's samples on the rollout devices
+            "gen": (per_row * args.num_inference_steps * world, T.rollout_device_count(args.rollout_devices)),
+            "old_log_prob": (per_row * num_w, 1),
+            "update_actor": (per_row * num_w * 3 * args.ppo_epochs, 1)}, device))
         run.end_step(step, metrics, timings, step_start, batch.epoch)
     run.close()
 

@@ -11,8 +11,9 @@ One rollout step:
   3. update: per sample K training timesteps (integer 1000·σ of the rollout schedule, one fixed-seed permutation
      per row), x_t = (1 - t) x0 + t ε with fresh ε, forwards of the `old` adapter, the `default` adapter (with
      grad) and, when ref_kl_coef > 0, the base model (adapters off) - each through the model wrapper, so Boogu is
-     negated and guided exactly as in rollout - then `losses.diffusion_nft_loss`, accumulated over micro-batches
-     x K and one AdamW step per mini-batch;
+     negated and guided exactly as in rollout (--train_cfg rollout, the default) or CFG-free (--train_cfg off:
+     one conditional pass per forward instead of two; the rollout keeps its CFG) - then
+     `losses.diffusion_nft_loss`, accumulated over micro-batches x K and one AdamW step per mini-batch;
   4. the `old` adapter is refreshed (hard copy / EMA by `old_policy_decay`) every old_policy_update_interval steps
      and synced to the rollout workers, which must bind every LoRA module of the actor;
   5. logging, validation (ODE, val steps, seed 42), checkpoints (atomic; --resume continues exactly).
@@ -49,6 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "code); the training rollout keeps sampling with 'old'")
     g.add_argument("--no_global_std", dest="global_std", action="store_false", help="per-group std")
     g.add_argument("--no_norm_adv_by_std", dest="norm_adv_by_std", action="store_false")
+    g.add_argument("--train_cfg", default="rollout", choices=["rollout", "off"],
+                   help="CFG of the training forwards (old, reference, policy): 'rollout' = the rollout's scale "
+                        "(2 transformer passes each when guided), 'off' = CFG-free (DiffusionNFT's design; 1 pass "
+                        "each); the rollout always samples with its CFG")
+    # verl-omni's Qwen-Image DiffusionNFT recipe and config default: no CFG (true_cfg_scale=1.0); train_dppo.py
+    # keeps Qwen-Image's 4.0. An explicit --true_cfg_scale wins; Boogu-Image's guidance_scale default is unchanged.
+    parser.set_defaults(qwen_true_cfg_default=1.0)
     args = parser.parse_args(argv)
     if not args.model_path or not args.train_files:
         parser.error("--model_path and --train_files are required (or $MODEL_PATH / $TRAIN_FILES)")
@@ -60,6 +68,7 @@ def main(argv=None) -> None:
     # ---------------------------------------------------------------- setup (training.setup_run)
     run = T.setup_run(args, adapter_names=(T.ADAPTER_DEFAULT, T.ADAPTER_OLD))
     model, device, rank, world, scale = run.model, run.device, run.rank, run.world, run.scale
+    train_scale = scale if args.train_cfg == "rollout" else 1.0  # CFG of the training forwards
     if run.start_step == 0:
         lora.copy_adapter_(model.transformer, T.ADAPTER_DEFAULT, T.ADAPTER_OLD)  # rollouts start from the policy
     run.sync_rollout(T.ADAPTER_OLD, run.start_step)
@@ -113,7 +122,7 @@ def main(argv=None) -> None:
                             t_b = t.reshape(-1, *([1] * (x0_mb.ndim - 1)))
                             xt = (1 - t_b) * x0_mb + t_b * noise
                             forward = lambda: model.guided_velocity(  # noqa: E731
-                                xt, t, cond_mb.prompt, cond_mb.negative, scale, cond_mb.ref_latents,
+                                xt, t, cond_mb.prompt, cond_mb.negative, train_scale, cond_mb.ref_latents,
                                 height=args.height, width=args.width)
                             with torch.no_grad():
                                 with T.use_adapter(model.transformer, T.ADAPTER_OLD):
@@ -140,6 +149,14 @@ def main(argv=None) -> None:
         # 5. logging, validation, checkpoint
         metrics.update(accumulator.reduce())
         metrics.update(old_metrics)
+        # model FLOPs of each phase (forward = 1, a trained forward = 3) -> perf/mfu/* and peak memory
+        per_row = T.transformer_flops(model, cond, height=args.height, width=args.width, guided=scale > 1.0)
+        per_train_row = T.transformer_flops(model, cond, height=args.height, width=args.width,
+                                            guided=train_scale > 1.0)
+        forwards = 3 + 1 + (1 if args.ref_kl_coef > 0 else 0)  # policy fwd+bwd, old, reference
+        metrics.update(T.phase_perf_metrics(timings, {  # gen: every rank's samples on the rollout devices
+            "gen": (per_row * args.num_inference_steps * world, T.rollout_device_count(args.rollout_devices)),
+            "update_actor": (per_train_row * num_k * forwards * args.ppo_epochs, 1)}, device))
         run.end_step(step, metrics, timings, step_start, batch.epoch)
     run.close()
 

@@ -22,7 +22,8 @@ Return channel (vllm-omni 0.30; see notes/vllm_omni_api.md §0.5, §0.6): one `D
 here (the stock `split_diffusion_output_by_request` drops trajectories), `output` = the decoded image tensor
 (both architectures' registered post-process accept a plain tensor; Boogu's rejects an envelope), and the RL data
 in the dict-valued `trajectory_*` fields, which the output formatter passes through untouched:
-  trajectory_latents   = {"latents_clean": fp32 native layout, ["all_latents": (W+1, ...)], ["ref_latents"]}
+  trajectory_latents   = {"latents_clean": fp32 native layout, ["all_latents": (W+1, ...)], ["all_means": (W, ...)
+                          transition means], ["ref_latents"]}
   trajectory_timesteps = (W,) fp32 scheduler timesteps 1000·sigma (only with a trajectory)
   trajectory_log_probs = {["all_log_probs": (W,)], "prompt_embeds", "prompt_mask", ["negative_embeds",
                           "negative_mask"], "sigmas": (N+1,), "window_start": int64 scalar, "guidance": fp32}
@@ -102,7 +103,7 @@ def rl_settings(sampling_params_list: Sequence[Any]) -> dict[str, Any]:
 def request_outputs(
     images: torch.Tensor,
     latents: torch.Tensor,
-    traj: tuple[list, list, list],
+    traj: tuple[list, list, list, list],
     *,
     prompt_embeds: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -114,12 +115,14 @@ def request_outputs(
     guidance: float,
 ) -> list[DiffusionOutput]:
     """One `DiffusionOutput` per row in the layout `rollout.parse_vllm_omni_output` reads (module docstring)."""
-    all_latents, all_timesteps, all_log_probs = traj
+    all_latents, all_timesteps, all_log_probs, all_means = traj
     outs = []
     for b in range(images.shape[0]):
         lat = {"latents_clean": latents[b].float()}
         if all_latents[b]:
             lat["all_latents"] = torch.stack(all_latents[b])
+        if all_means[b]:
+            lat["all_means"] = torch.stack(all_means[b])
         if ref_latents is not None:
             lat["ref_latents"] = ref_latents[b].float()
         extra = {"prompt_embeds": prompt_embeds[b], "prompt_mask": prompt_mask[b].to(torch.int64),

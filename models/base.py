@@ -261,6 +261,14 @@ class FlowModel:
         """Latents in the native layout -> uint8 images (B, 3, H, W)."""
         raise NotImplementedError
 
+    def forward_flops(self, image_tokens: int, text_tokens: Sequence[int],
+                      ref_tokens: Sequence[Sequence[int]] | None = None) -> float:
+        """Model FLOPs of ONE transformer forward over len(text_tokens) samples (one CFG branch): every sample has
+        `image_tokens` latent tokens ((H/16)·(W/16)), text_tokens[b] valid prompt tokens and, for edit, the token
+        counts of its reference images ref_tokens[b]. Matmuls only (2 FLOPs per multiply-add; norms, RoPE and
+        activations are not counted), from the transformer's config; a trained forward costs 3x (backward 2x)."""
+        raise NotImplementedError(f"{self.family}: no FLOP model")
+
     # ---- batched CFG ------------------------------------------------------------------------------------------
     def cfg_batch_inputs(
         self,

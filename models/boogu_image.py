@@ -700,6 +700,55 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
                 for b, lat in enumerate(images)]
 
 
+def boogu_image_forward_flops(config: Any, image_tokens: int, text_tokens: Sequence[int],
+                              ref_tokens: Optional[Sequence[Sequence[int]]] = None) -> float:
+    """Forward FLOPs of `BooguImageTransformer2DModel` (this module) for len(text_tokens) samples, derived from
+    its blocks: matmuls only, 2 FLOPs per multiply-add; config: the transformer's config (attribute access).
+
+    D = hidden_size, KV = num_kv_heads·D/heads, F = the SwiGLU inner width (4D·ffn_dim_multiplier rounded up to
+    multiple_of), T = min(D, 1024) (timestep width). Per token of a self-attention block: q and out D² each, k and v
+    D·KV each, FFN 3·D·F; its attention over n tokens 2·n²·D (QK^T and AV over all heads; GQA repeats K/V); an
+    adaLN-modulated block adds T·4D per sample. Per sample with n_t text, n_i noise-image and per-reference n_r
+    tokens (n_s = Σ n_r + n_i, the image stream of the double-stream blocks):
+      embedders: caption feat·D per text token, x / ref patch p²·C·D per image / reference token, timestep MLP
+        256·T + T²; output: linear_1 T·D per sample, linear_2 D·p²·C_out per noise token;
+      refiners (R each): context on n_t (no modulation), noise on n_i, reference on each n_r separately;
+      double-stream (L_d): per token of either stream 3D² + 2D·KV (per-stream q, k, v, out, shared to_out) + 3DF,
+        joint attention 2·(n_t + n_s)²·D, image self-attention (2D² + 2D·KV)·n_s + 2·n_s²·D, 5 adaLNs;
+      single-stream (L - L_d): self-attention blocks over n_t + n_s tokens.
+    """
+    cfg = config
+    d, heads = cfg.hidden_size, cfg.num_attention_heads
+    kv = cfg.num_kv_heads * (d // heads)
+    inner = 4 * d if cfg.ffn_dim_multiplier is None else int(cfg.ffn_dim_multiplier * 4 * d)
+    ffn = 3 * d * (cfg.multiple_of * ((inner + cfg.multiple_of - 1) // cfg.multiple_of))
+    t_dim = min(d, 1024)
+    patch_in = cfg.patch_size**2 * cfg.in_channels
+    patch_out = cfg.patch_size**2 * (cfg.out_channels or cfg.in_channels)
+    feat = BooguImageTransformer2DModel._instruction_feat_dim(cfg.instruction_feature_configs)
+    attn_lin = 2 * d * d + 2 * d * kv
+    ada = t_dim * 4 * d
+    refiners, double = cfg.num_refiner_layers, cfg.num_double_stream_layers
+    single = cfg.num_layers - double
+
+    def block(n: int, modulated: bool = True) -> int:  # multiply-adds of one self-attention block over n tokens
+        return (attn_lin + ffn) * n + 2 * n * n * d + (ada if modulated else 0)
+
+    total = 0
+    for b, n_t in enumerate(text_tokens):
+        n_t, n_i = int(n_t), int(image_tokens)
+        refs = [int(r) for r in (ref_tokens[b] if ref_tokens is not None else [])]
+        n_s = sum(refs) + n_i
+        macs = feat * d * n_t + patch_in * d * (n_i + sum(refs)) + 256 * t_dim + t_dim * t_dim
+        macs += t_dim * d + patch_out * d * n_i
+        macs += refiners * (block(n_t, modulated=False) + block(n_i) + sum(block(r) for r in refs))
+        macs += double * ((3 * d * d + 2 * d * kv + ffn) * (n_t + n_s) + 2 * (n_t + n_s) ** 2 * d
+                          + attn_lin * n_s + 2 * n_s * n_s * d + 5 * ada)
+        macs += single * block(n_t + n_s)
+        total += 2 * macs
+    return float(total)
+
+
 # ============================================================================================================
 # Part 2: the FlowModel wrapper
 # ============================================================================================================
@@ -1037,6 +1086,11 @@ class BooguImageModel(FlowModel):
             refs = [[r] for r in ref_latents.to(self.device, self.dtype)]
         return self.transformer(x, t, prompt.embeds.to(self.device, self.dtype), self._freqs_cis,
                                 prompt.mask.to(self.device), ref_image_hidden_states=refs)
+
+    def forward_flops(self, image_tokens: int, text_tokens: Sequence[int],
+                      ref_tokens: Optional[Sequence[Sequence[int]]] = None) -> float:
+        """`boogu_image_forward_flops` of this transformer."""
+        return boogu_image_forward_flops(self.transformer.config, image_tokens, text_tokens, ref_tokens)
 
     def _check_latent_size(self, latents: torch.Tensor, height: Optional[int], width: Optional[int]) -> None:
         """The FlowModel contract passes the image size along (packed layouts need it); Boogu latents carry it, so

@@ -97,6 +97,32 @@ def unpack_latents(packed: torch.Tensor, latent_h: int, latent_w: int) -> torch.
     return x.reshape(b, f // 4, latent_h, latent_w)
 
 
+def qwen_image_forward_flops(config: Any, image_tokens: int, text_tokens: Sequence[int]) -> float:
+    """Forward FLOPs of `QwenImageTransformer2DModel` (diffusers 0.40) for len(text_tokens) samples of
+    `image_tokens` image and text_tokens[b] text tokens; config: the transformer's config (attribute access).
+
+    verl-omni's formula (spec rewards_data_anchors.md §4.3) divided by 3 (it counts forward + backward), with
+    dim = heads·head_dim, L layers, per sample b with n_i image and n_t text tokens:
+      2·(L·12·dim² + in_channels·dim + p²·out_channels·dim)·n_i     image stream (QKV+out 4, MLP 8; in/out proj)
+    + 2·(L·12·dim² + joint_attention_dim·dim)·n_t                   text stream (+ txt_in)
+    + 2·L·12·dim²                                                   per-sample modulation (img_mod, txt_mod)
+    + 4·L·dim·(n_i + n_t)²                                          joint attention (QK^T and AV)
+    plus the per-sample terms verl-omni leaves out (< 0.01% at the released size): the timestep MLP 2·(256·dim +
+    dim²) and the output modulation 2·2·dim²."""
+    cfg = config
+    dim = cfg.num_attention_heads * cfg.attention_head_dim
+    layers, p = cfg.num_layers, cfg.patch_size
+    out_channels = cfg.out_channels or cfg.in_channels
+    per_image_token = 2 * (layers * 12 * dim**2 + cfg.in_channels * dim + p * p * out_channels * dim)
+    per_text_token = 2 * (layers * 12 * dim**2 + cfg.joint_attention_dim * dim)
+    per_sample = 2 * layers * 12 * dim**2 + 2 * (256 * dim + dim**2) + 2 * 2 * dim**2
+    total = 0.0
+    for n_t in text_tokens:
+        n = image_tokens + int(n_t)
+        total += per_image_token * image_tokens + per_text_token * int(n_t) + per_sample + 4 * layers * dim * n * n
+    return float(total)
+
+
 class QwenImageModel(FlowModel):
     family = "qwen_image"
     # verl-omni's Qwen-Image OCR recipe (spec algorithms.md 8.2); all bind inside `transformer_blocks`.
@@ -325,6 +351,13 @@ class QwenImageModel(FlowModel):
             cond = self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
             uncond = self.predict_velocity(latents, sigmas, negative, ref_latents, height=height, width=width)
         return losses.apply_cfg(cond, uncond, scale, renorm=True)
+
+    def forward_flops(self, image_tokens: int, text_tokens: Sequence[int],
+                      ref_tokens: Sequence[Sequence[int]] | None = None) -> float:
+        """`qwen_image_forward_flops` of this transformer (text-to-image: no reference tokens)."""
+        if ref_tokens is not None and any(ref_tokens):
+            raise ValueError("Qwen-Image (text-to-image) takes no reference latents")
+        return qwen_image_forward_flops(self.transformer.config, image_tokens, text_tokens)
 
     # ---- VAE --------------------------------------------------------------------------------------------------
     @torch.no_grad()

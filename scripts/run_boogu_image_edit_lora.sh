@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Boogu-Image-0.1-Edit (TI2I), DiffusionNFT, PickScore on the edit instruction. One node, 4 GPUs:
-#   cuda:0,1,2  trainer ranks (torchrun, FSDP2 + LoRA; PickScore runs in each trainer process)   NPROC=3
-#   cuda:3      rollout worker (native engine, `old` adapter; edit requests carry the reference) ROLLOUT_DEVICES=cuda:3
+#   cuda:0-3  trainer ranks (torchrun, FSDP2 + LoRA; PickScore runs in each trainer process), each also running a
+#             native rollout worker on its GPU (--rollout_devices colocated; edit requests carry the reference)  NPROC=4
+# The vllm-omni rollout keeps the reserved layout: ROLLOUT_ENGINE=vllm_omni (NPROC=3, ROLLOUT_DEVICES=cuda:3).
+# Recipe: the T2I recipe's objective (guidance 4.0 in rollout and training forwards, --train_cfg rollout; see
+# run_boogu_image_ocr_lora.sh), activation checkpointing of every block (edit sequences carry the reference tokens
+# too), frozen base weights in bf16. Batch: 24 prompts x 16, mini 12; micro 8 per GPU (12/4 x 16 = 48 samples per
+# rank and mini-batch with 4 ranks, 64 with 3).
 # No reward server: PickScore (open_clip ViT-H-14 with the PickScore_v1 weights) is local.
 # Data: python data_prep/boogu_image_edit_ocr.py --input_dir ~/data/ocr_edit \
 #         --output_dir ~/data/ocr/boogu_image_edit_pickscore --image_size 512 --reward pickscore
@@ -13,8 +18,12 @@ REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-yuvalkirstain/PickScore_v1}
 PICKSCORE_PROCESSOR_PATH=${PICKSCORE_PROCESSOR_PATH:-laion/CLIP-ViT-H-14-laion2B-s32B-b79K}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/ocr/boogu_image_edit_pickscore/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/ocr/boogu_image_edit_pickscore/test.parquet}
-NPROC=${NPROC:-3}
-ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:3}
+ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-native}
+if [ "$ROLLOUT_ENGINE" = native ]; then
+  NPROC=${NPROC:-4}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-colocated}
+else
+  NPROC=${NPROC:-3}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:3}
+fi
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/boogu_image_edit_nft_lora}
 resolve() { python3 -c "import sys; from models import resolve_model_path; print(resolve_model_path(sys.argv[1]))" "$1"; }
 # resolved before torchrun, so that a failed download stops the script (set -e does not see a $(...) inside arguments)
@@ -23,11 +32,11 @@ PICKSCORE_PROCESSOR=$(resolve "$PICKSCORE_PROCESSOR_PATH")
 
 torchrun --nproc_per_node="$NPROC" train_nft.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
-  --rollout_devices "$ROLLOUT_DEVICES" \
+  --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \
   --train_batch_size 24 --rollout_n 16 --ppo_mini_batch_size 12 --micro_batch_size 8 \
   --lr 1e-4 --weight_decay 1e-4 --lora_rank 64 --lora_alpha 128 \
   --height 512 --width 512 --num_inference_steps 10 --val_num_inference_steps 40 --max_sequence_length 512 \
-  --guidance_scale 4.0 \
+  --guidance_scale 4.0 --train_cfg rollout \
   --mix_beta 0.1 --ref_kl_coef 10.0 --adv_clip_max 1.0 --timestep_fraction 1.0 --adv_mode continuous \
   --old_policy_decay_schedule delayed_linear_to_0_999 --old_policy_update_interval 2 \
   --pickscore_path "$PICKSCORE" --pickscore_processor_path "$PICKSCORE_PROCESSOR" \

@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Qwen-Image, Flow-DPPO, OCR scored by the Qwen3-VL-8B-Instruct GenRM. One node, 4 GPUs:
-#   cuda:0,1  trainer ranks (torchrun, FSDP2 + LoRA)   NPROC=2
-#   cuda:2    rollout worker (native engine, policy)   ROLLOUT_DEVICES=cuda:2
-#   cuda:3    GenRM server (vllm serve)                GENRM_GPUS=3
+#   cuda:0,1,2  trainer ranks (torchrun, FSDP2 + LoRA), each also running a native rollout worker (policy) on its
+#               own GPU (--rollout_devices colocated)                    NPROC=3
+#   cuda:3      GenRM server (vllm serve; the judge keeps its own GPU)   GENRM_GPUS=3
+# The vllm-omni rollout keeps the reserved layout and verl-omni's exact batch: ROLLOUT_ENGINE=vllm_omni (NPROC=2,
+# ROLLOUT_DEVICES=cuda:2, 32 prompts, mini 16).
 # Recipe: verl-omni's Flow-DPPO Qwen-Image OCR LoRA run (specs/algorithms.md §8.2): kl_mask_threshold=1e-5,
-# add_kl_coefficient, sde_type=sde, noise 1.2, SDE window 2 in [0,5], LoRA 64/128, lr 3e-4, true CFG 4.0.
+# add_kl_coefficient, sde_type=sde, noise 1.2, SDE window 2 in [0,5], LoRA 64/128, lr 3e-4, true CFG 4.0 (rollout
+# and replay). Old log-probs are recomputed (verl-omni's default, step-1 ratio exactly 1); --old_log_probs rollout is
+# its bypass mode (no replay pass before the update; the rollout/trainer gap then enters the ratio, see
+# rollout_corr/*). Activation checkpointing of every block (micro 16 with CFG = 32 sequences per forward); frozen
+# base weights in bf16. Batch: 3 ranks need a prompt count divisible by 3, so 30 prompts x 16 and mini 15 (2
+# optimizer steps per rollout step, as verl-omni's 32 / 16; each rank's mini-batch is 5 x 16 = 80 samples, micro 16).
 # Flow-GRPO baseline: add `--loss flow_grpo --clip_ratio 1e-5`.
 # Data: python data_prep/qwen_image_ocr.py --input_dir ~/data/ocr --output_dir ~/data/ocr/qwen_image
 set -euo pipefail
@@ -13,8 +20,14 @@ MODEL_PATH=${MODEL_PATH:-Qwen/Qwen-Image}
 REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-Qwen/Qwen3-VL-8B-Instruct}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/ocr/qwen_image/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/ocr/qwen_image/test.parquet}
-NPROC=${NPROC:-2}
-ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:2}
+ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-native}
+if [ "$ROLLOUT_ENGINE" = native ]; then
+  NPROC=${NPROC:-3}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-colocated}
+  TRAIN_BATCH=${TRAIN_BATCH:-30}; MINI_BATCH=${MINI_BATCH:-15}
+else
+  NPROC=${NPROC:-2}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:2}
+  TRAIN_BATCH=${TRAIN_BATCH:-32}; MINI_BATCH=${MINI_BATCH:-16}
+fi
 GENRM_GPUS=${GENRM_GPUS:-3}
 GENRM_PORT=${GENRM_PORT:-8000}
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/qwen_image_ocr_dppo_lora}
@@ -26,8 +39,8 @@ trap 'kill "$GENRM_PID" 2>/dev/null || true' EXIT
 
 torchrun --nproc_per_node="$NPROC" train_dppo.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
-  --rollout_devices "$ROLLOUT_DEVICES" \
-  --train_batch_size 32 --rollout_n 16 --ppo_mini_batch_size 16 --micro_batch_size 16 \
+  --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \
+  --train_batch_size "$TRAIN_BATCH" --rollout_n 16 --ppo_mini_batch_size "$MINI_BATCH" --micro_batch_size 16 \
   --lr 3e-4 --weight_decay 1e-4 --lora_rank 64 --lora_alpha 128 \
   --height 512 --width 512 --num_inference_steps 10 --val_num_inference_steps 50 --max_sequence_length 256 \
   --true_cfg_scale 4.0 \

@@ -94,6 +94,7 @@ def _part(b: int, length: int, window_start: int) -> dict:
     g = torch.Generator().manual_seed(b)
     return {"image": torch.randint(0, 255, (3, 32, 48), dtype=torch.uint8, generator=g),
             "latents_clean": torch.randn(24, 64, generator=g), "all_latents": torch.randn(3, 24, 64, generator=g),
+            "all_means": torch.randn(2, 24, 64, generator=g),
             "ref_latents": None, "all_timesteps": torch.tensor([900.0, 800.0]), "all_log_probs": torch.randn(2, generator=g),
             "prompt_embeds": torch.randn(length, 8, generator=g), "prompt_mask": torch.ones(length, dtype=torch.int64),
             "negative_embeds": torch.randn(3, 8, generator=g), "negative_mask": torch.ones(3, dtype=torch.int64),
@@ -107,6 +108,7 @@ def test_assemble_result_pads_embeddings_and_checks_fields():
                                                bound_modules=12)
     assert result.images.shape == (2, 3, 32, 48) and result.latents_clean.shape == (2, 24, 64)
     assert result.all_latents.shape == (2, 3, 24, 64) and result.all_log_probs.shape == (2, 2)
+    assert torch.equal(result.all_means, torch.stack([p["all_means"] for p in parts]))
     assert result.prompt_embeds.shape == (2, 6, 8) and result.prompt_mask.tolist()[0] == [1, 1, 1, 1, 0, 0]
     assert result.window_starts == [1, 0] and result.seeds == [5, 6]
     assert result.metadata["engine"] == "vllm_omni" and result.metadata["bound_modules"] == 12
@@ -129,6 +131,7 @@ def test_parse_output_reads_the_rl_channels_not_latents():
     part = rollout.parse_vllm_omni_output(out)
     assert part["image"].dtype == torch.uint8 and part["image"].shape == (3, 8, 8) and int(part["image"][0, 0, 0]) == 128
     assert part["latents_clean"] is not None and part["all_latents"] is None and part["window_start"] == 2
+    assert part["all_means"] is None
     assert part["prompt_mask"].dtype == torch.int64
 
 

@@ -183,7 +183,7 @@ def test_rl_denoise_reproduces_native_engine(tiny_models, name):
     prompt = model.encode_prompt(request.prompts)
     negative = model.encode_prompt(request.negative_prompts)
     fn = lambda x, s: model.guided_velocity(x, s, prompt, negative, 3.0, height=32, width=32)  # noqa: E731
-    final, all_latents, all_timesteps, all_log_probs = vp.rl_denoise(
+    final, all_latents, all_timesteps, all_log_probs, all_means = vp.rl_denoise(
         fn, latents, sigmas, gens, starts, 2, noise_level=0.7, sde_type="sde", keep_trajectory=True,
         keep_log_probs=True)
     assert starts == native.window_starts
@@ -192,6 +192,7 @@ def test_rl_denoise_reproduces_native_engine(tiny_models, name):
     torch.testing.assert_close(torch.stack([torch.stack(r) for r in all_log_probs]), native.all_log_probs,
                                rtol=0, atol=0)
     torch.testing.assert_close(torch.stack([torch.stack(r) for r in all_timesteps]), native.all_timesteps)
+    torch.testing.assert_close(torch.stack([torch.stack(r) for r in all_means]), native.all_means, rtol=0, atol=0)
     assert native.all_log_probs.abs().sum() > 0
 
 
@@ -292,8 +293,8 @@ def test_qwen_rl_pipeline_forward_matches_native_engine(tiny_models):
 
     assert result.images.dtype == torch.uint8 and result.images.shape == (3, 3, 32, 32)
     assert result.window_starts == native.window_starts
-    for name in ("latents_clean", "all_latents", "all_timesteps", "all_log_probs", "prompt_embeds", "prompt_mask",
-                 "negative_embeds", "negative_mask"):
+    for name in ("latents_clean", "all_latents", "all_timesteps", "all_log_probs", "all_means", "prompt_embeds",
+                 "prompt_mask", "negative_embeds", "negative_mask"):
         torch.testing.assert_close(getattr(result, name), getattr(native, name), msg=name)
     # decode order differs slightly (the stock decoder casts before un-normalising): allow 1 grey level
     assert (result.images.int() - native.images.int()).abs().max() <= 1
@@ -325,7 +326,8 @@ def test_boogu_outputs_survive_stock_post_process_and_formatter(tiny_models):
     """Boogu's registered post-process takes only a tensor: the RL data must ride in trajectory_* dicts."""
     path = os.path.join(tiny_models, "boogu_image_base")
     od_config = SimpleNamespace(model=path, model_class_name="BooguImagePipeline")
-    traj = ([[torch.randn(16, 4, 4), torch.randn(16, 4, 4)]], [[torch.tensor(900.0)]], [[torch.tensor(-1.5)]])
+    traj = ([[torch.randn(16, 4, 4), torch.randn(16, 4, 4)]], [[torch.tensor(900.0)]], [[torch.tensor(-1.5)]],
+            [[torch.randn(16, 4, 4)]])
     outs = vp.request_outputs(
         torch.rand(1, 3, 32, 32) * 2 - 1, torch.randn(1, 16, 4, 4), traj, prompt_embeds=torch.randn(1, 5, 8),
         prompt_mask=torch.ones(1, 5, dtype=torch.int64), negative_embeds=torch.randn(1, 5, 8),
@@ -339,6 +341,7 @@ def test_boogu_outputs_survive_stock_post_process_and_formatter(tiny_models):
     assert part["image"].shape == (3, 32, 32) and part["image"].dtype == torch.uint8
     torch.testing.assert_close(part["all_latents"], torch.stack(traj[0][0]))
     torch.testing.assert_close(part["all_log_probs"], torch.tensor([-1.5]))
+    torch.testing.assert_close(part["all_means"], torch.stack(traj[3][0]))
     torch.testing.assert_close(part["all_timesteps"], torch.tensor([900.0]))
     assert part["window_start"] == 1 and part["guidance"] == 4.0
     # `.latents` is vllm-omni's trajectory slot, never read as the clean latent

@@ -1,5 +1,6 @@
-"""Model preparation: LoRA (peft) with named adapters, adapter switching, activation checkpointing, FSDP2
-`fully_shard` per block + root with a MixedPrecisionPolicy, and DTensor-aware gather / load of adapter tensors."""
+"""Model preparation: LoRA (peft) with named adapters, adapter switching, (selective) activation checkpointing, the
+frozen base weights in the compute dtype, FSDP2 `fully_shard` per block + root with a MixedPrecisionPolicy, and
+DTensor-aware gather / load of adapter tensors."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from .distributed import get_world_size, is_main_process
 
 __all__ = [
     "ADAPTER_DEFAULT", "ADAPTER_OLD", "adapter_params", "add_lora_adapters", "use_adapter", "transformer_blocks",
-    "apply_activation_checkpointing", "mixed_precision_policy", "shard_transformer", "prepare_transformer",
-    "adapter_state_dict", "load_adapter_state_", "save_adapter_dir"
+    "apply_activation_checkpointing", "checkpointed_block_indices", "mixed_precision_policy", "base_weight_dtype",
+    "cast_frozen_base_", "shard_transformer", "prepare_transformer", "adapter_state_dict", "load_adapter_state_",
+    "save_adapter_dir"
 ]
 
 
@@ -55,17 +57,43 @@ def add_lora_adapters(
     active), then every LoRA tensor cast to float32 (trainable master weights; FSDP2's mixed-precision policy casts
     them for compute). Returns the adapters' `LoraConfig`. Module names stay the model's own (no PeftModel wrapper).
 
+    The LoRA tensors are initialised in float32 whatever the base weights' dtype: peft moves a new adapter to its
+    base layer's dtype, which for a bf16-stored base (`base_weight_dtype`) would round the initial A to bf16; while
+    peft injects, every non-fp32 `weight` is replaced by an empty fp32 placeholder (peft reads only its dtype and
+    device there) and put back afterwards, so the adapters are bit-identical to those of an fp32 base.
+
     init_lora_weights: peft's option; "gaussian" (verl-omni's `lora_init_weights` default) or True (kaiming A).
     Both start with B = 0, so "default" starts equal to the base model.
     """
     if rank <= 0:
         raise ValueError(f"LoRA rank must be > 0, got {rank} (full fine-tuning is not supported by these trainers)")
-    lora.apply_lora(transformer, list(target_modules), rank=int(rank), alpha=alpha, block_prefixes=block_prefixes,
-                    adapter_names=tuple(adapter_names), init_lora_weights=init_lora_weights)
+    with _float32_weight_placeholders(transformer):  # LoRA init never rounds through a bf16 base dtype
+        lora.apply_lora(transformer, list(target_modules), rank=int(rank), alpha=alpha, block_prefixes=block_prefixes,
+                        adapter_names=tuple(adapter_names), init_lora_weights=init_lora_weights)
     for name in adapter_names:
         for _, p in adapter_params(transformer, name):
             p.data = p.data.float()
     return transformer.peft_config[adapter_names[0]]
+
+
+@contextlib.contextmanager
+def _float32_weight_placeholders(transformer: nn.Module) -> Iterator[None]:
+    """Temporarily swap every floating, non-fp32 `weight` parameter for an empty fp32 one (same device), restoring
+    the originals on exit (see `add_lora_adapters`). The module objects stay the same, so peft's wrappers keep the
+    real weights once restored."""
+    swapped: list[tuple[nn.Module, nn.Parameter]] = []
+    try:
+        for module in transformer.modules():
+            weight = module._parameters.get("weight")
+            if weight is not None and weight.is_floating_point() and weight.dtype != torch.float32:
+                swapped.append((module, weight))
+                module._parameters["weight"] = nn.Parameter(
+                    torch.empty(0, dtype=torch.float32, device=weight.device), requires_grad=False)
+        yield
+    finally:
+        for module, weight in swapped:  # keep the requires_grad peft / apply_lora gave the placeholder (frozen)
+            weight.requires_grad_(module._parameters["weight"].requires_grad)
+            module._parameters["weight"] = weight
 
 
 @contextlib.contextmanager
@@ -107,18 +135,35 @@ def transformer_blocks(transformer: nn.Module, block_prefixes: Sequence[str]) ->
     return blocks
 
 
-def apply_activation_checkpointing(transformer: nn.Module, block_prefixes: Sequence[str]) -> int:
-    """Checkpoint the activations of every transformer block (recomputed in backward); return the block count.
+def checkpointed_block_indices(num_blocks: int, num_checkpointed: int | None = None) -> list[int]:
+    """Which of `num_blocks` blocks (in `transformer_blocks` order) to checkpoint: all of them for None, else
+    `num_checkpointed` of them spread evenly (block i is chosen when floor((i+1)·n/B) > floor(i·n/B)), so every
+    block type of a family (Boogu: refiners, double-, single-stream) keeps its share of stored activations."""
+    if num_checkpointed is None:
+        return list(range(num_blocks))
+    if not 0 <= num_checkpointed <= num_blocks:
+        raise ValueError(f"--activation_checkpointing_blocks must be in [0, {num_blocks}] (the transformer has "
+                         f"{num_blocks} blocks), got {num_checkpointed}")
+    return [i for i in range(num_blocks)
+            if (i + 1) * num_checkpointed // num_blocks > i * num_checkpointed // num_blocks]
 
-    Uses torch's composable `checkpoint` (hooks, non-reentrant), so module and parameter names do not change and
-    LoRA export / optimizer FQNs stay the same. Apply before `shard_transformer`.
+
+def apply_activation_checkpointing(transformer: nn.Module, block_prefixes: Sequence[str],
+                                   num_blocks: int | None = None) -> int:
+    """Checkpoint the activations of transformer blocks (recomputed in backward); return how many.
+
+    num_blocks: None = every block; N = N blocks spread evenly (`checkpointed_block_indices`): selective
+    checkpointing trades memory for less recomputation. Uses torch's composable `checkpoint` (hooks,
+    non-reentrant), so module and parameter names do not change and LoRA export / optimizer FQNs stay the same.
+    Apply before `shard_transformer`.
     """
     from torch.distributed._composable import checkpoint
 
     blocks = transformer_blocks(transformer, block_prefixes)
-    for block in blocks:
-        checkpoint(block)
-    return len(blocks)
+    chosen = checkpointed_block_indices(len(blocks), num_blocks)
+    for i in chosen:
+        checkpoint(blocks[i])
+    return len(chosen)
 
 
 def mixed_precision_policy(device: torch.device, precision: str = "bf16"):
@@ -139,6 +184,43 @@ def mixed_precision_policy(device: torch.device, precision: str = "bf16"):
 # transformers end in an nn.Linear on (B, L, C) input, whose output is a view of the 2-D matmul; nothing ever
 # modifies a transformer output in place (the wrappers and losses.py build new tensors), so the warning is noise.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning)
+
+
+BASE_WEIGHT_DTYPES = ("compute", "fp32")
+
+
+def base_weight_dtype(device: torch.device | str, precision: str = "bf16", mode: str = "compute") -> torch.dtype:
+    """The dtype the FROZEN base weights are stored in on trainer ranks (LoRA tensors, their grads and AdamW state
+    are always fp32).
+
+    mode "compute" (default): the FSDP2 compute dtype of `mixed_precision_policy(device, precision)`, i.e. bf16
+    for --precision bf16 on GPU, else fp32. Identical numbers to an fp32 base: the policy casts every parameter
+    to bf16 for each forward anyway, and casting an fp32 weight to bf16 once at load rounds it exactly as that
+    per-forward cast does (a bf16 parameter is not cast again); only the memory (Qwen-Image 82 -> 41 GB, Boogu 41
+    -> 21 GB) and the per-forward cast go away. mode "fp32": today's fp32 master copy of the frozen weights
+    (the benchmark's baseline).
+    """
+    if mode not in BASE_WEIGHT_DTYPES:
+        raise ValueError(f"--base_weights_dtype must be one of {BASE_WEIGHT_DTYPES}, got {mode!r}")
+    param_dtype = mixed_precision_policy(torch.device(device), precision).param_dtype
+    return param_dtype if mode == "compute" and param_dtype is not None else torch.float32
+
+
+@torch.no_grad()
+def cast_frozen_base_(transformer: nn.Module, dtype: torch.dtype) -> int:
+    """Cast every floating parameter outside the LoRA adapters to `dtype` in place (the frozen base weights; a
+    no-op for those already in it). Returns how many were cast. Call before `shard_transformer`: FSDP2 keeps the
+    dtype a parameter has when it is sharded (mixed original dtypes in one group are allowed for parameters that
+    do not require grad, torch >= 2.8)."""
+    lora_param = re.compile(r"(^|\.)lora_[A-Za-z_]+\.")
+    count = 0
+    for name, p in transformer.named_parameters():
+        if p.is_floating_point() and p.dtype != dtype and not lora_param.search(name):
+            if p.requires_grad:
+                raise ValueError(f"cast_frozen_base_: {name} requires grad; only frozen base weights are cast")
+            p.data = p.data.to(dtype)
+            count += 1
+    return count
 
 
 def shard_transformer(
@@ -179,8 +261,12 @@ def prepare_transformer(
     precision: str = "bf16",
     activation_checkpointing: bool = False,
     init_lora_weights: bool | str = "gaussian",
+    checkpoint_blocks: int | None = None,
+    base_weights: str = "compute",
 ):
-    """LoRA -> (activation checkpointing) -> FSDP2, in that order; returns the `LoraConfig`.
+    """LoRA -> frozen base weights to `base_weight_dtype(device, precision, base_weights)` -> (activation
+    checkpointing of all blocks, or of `checkpoint_blocks` of them) -> FSDP2, in that order; returns the
+    `LoraConfig`.
 
     For a FlowModel `m`: `prepare_transformer(m.transformer, block_prefixes=m.lora_block_prefixes,
     target_modules=m.default_lora_targets, ...)`. The base weights are frozen; with two adapter names (DiffusionNFT)
@@ -198,8 +284,9 @@ def prepare_transformer(
         init_lora_weights=init_lora_weights,
         block_prefixes=block_prefixes,
     )
-    if activation_checkpointing:
-        apply_activation_checkpointing(transformer, block_prefixes)
+    cast_frozen_base_(transformer, base_weight_dtype(device, precision, base_weights))
+    if activation_checkpointing or checkpoint_blocks is not None:
+        apply_activation_checkpointing(transformer, block_prefixes, checkpoint_blocks)
     shard_transformer(transformer, block_prefixes, mp_policy=mixed_precision_policy(torch.device(device), precision),
                       device=device)
     return config

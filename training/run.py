@@ -149,7 +149,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
         model.transformer, block_prefixes=model.lora_block_prefixes, target_modules=targets,
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, adapter_names=adapter_names, device=device,
         precision=args.precision, activation_checkpointing=args.activation_checkpointing,
-        init_lora_weights=parse_lora_init(args.lora_init_weights))
+        init_lora_weights=parse_lora_init(args.lora_init_weights),
+        checkpoint_blocks=args.activation_checkpointing_blocks, base_weights=args.base_weights_dtype)
     num_lora_modules = len(lora.lora_layers(model.transformer, ADAPTER_DEFAULT))
     load_init_adapter(model.transformer, args.init_adapter, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                       expected_modules=num_lora_modules)  # --init_adapter (a no-op without it)

@@ -14,7 +14,8 @@ import losses
 from models import lora
 
 from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_main_process
-from .model import ADAPTER_DEFAULT, ADAPTER_OLD, adapter_state_dict, load_adapter_state_, save_adapter_dir
+from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_state_dict, base_weight_dtype, load_adapter_state_,
+                    save_adapter_dir)
 from .optim import LR_SCHEDULES
 from .checkpoint import MARKER, CheckpointError, find_latest
 from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, reward_metrics, timer,
@@ -72,6 +73,13 @@ def add_common_args(parser) -> None:
     g.add_argument("--adam_betas", default="0.9,0.999")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="grad-norm clip; a non-finite norm skips the step")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute block activations in backward")
+    g.add_argument("--activation_checkpointing_blocks", type=int, default=None,
+                   help="selective checkpointing: checkpoint only N of the transformer's blocks, evenly spaced "
+                        "(implies --activation_checkpointing; default: all blocks when it is set)")
+    g.add_argument("--base_weights_dtype", default="compute", choices=["compute", "fp32"],
+                   help="storage of the frozen base weights on trainer ranks: 'compute' = the --precision compute "
+                        "dtype (bf16 on GPU: same numbers, half the memory), 'fp32' = an fp32 copy re-cast every "
+                        "forward (the old path, for benchmarks); LoRA weights, grads and AdamW state stay fp32")
     g = parser.add_argument_group("rollout")
     g.add_argument("--rollout_engine", default="native", choices=["native", "vllm_omni"])
     g.add_argument("--rollout_devices", default="cuda:3",
@@ -90,7 +98,8 @@ def add_common_args(parser) -> None:
     g.add_argument("--guidance_scale", type=float, default=None,
                    help="Boogu-Image text CFG (None = 4.0, the released default; 1.0 disables CFG)")
     g.add_argument("--true_cfg_scale", type=float, default=None,
-                   help="Qwen-Image true CFG (None = 4.0; needs negative prompts when > 1)")
+                   help="Qwen-Image true CFG (None = 4.0 for train_dppo.py, 1.0 for train_nft.py as verl-omni's "
+                        "recipes; needs negative prompts when > 1)")
     g.add_argument("--seed", type=int, default=42, help="seeds rollouts (per-row streams), sampling and re-noising")
     g = parser.add_argument_group("validation, logging, checkpoints")
     g.add_argument("--val_num_inference_steps", type=int, default=50)
@@ -116,8 +125,13 @@ def resolve_device(flag: str) -> str:
 
 
 def guidance_of(model, args) -> float:
-    """The CFG scale of the run from --guidance_scale (Boogu-Image) / --true_cfg_scale (Qwen-Image)."""
-    return model.resolve_guidance(args.guidance_scale, args.true_cfg_scale)
+    """The CFG scale of the run from --guidance_scale (Boogu-Image) / --true_cfg_scale (Qwen-Image). An unset
+    --true_cfg_scale takes the trainer's Qwen-Image default `args.qwen_true_cfg_default` when it sets one
+    (train_nft.py: 1.0, verl-omni's DiffusionNFT recipe), else the model's (4.0)."""
+    true_cfg = args.true_cfg_scale
+    if true_cfg is None and model.family == "qwen_image":
+        true_cfg = getattr(args, "qwen_true_cfg_default", None)
+    return model.resolve_guidance(args.guidance_scale, true_cfg)
 
 
 def rollout_request(rows: Sequence[Any], *, n: int, first_row: int, seed: int, step: int, num_inference_steps: int,
@@ -201,17 +215,22 @@ def parse_lora_init(value: str) -> bool | str:
 
 
 def load_flow_model(path: str, args, device: torch.device):
-    """The trainer's model wrapper: the transformer only (fp32 master weights; FSDP2 casts to --precision for
-    compute). Prompt embeddings, reference latents and images come from the rollout workers, so trainer ranks skip
-    the text encoder and the VAE (`models.base.NotLoaded`)."""
+    """The trainer's model wrapper: the transformer only. Prompt embeddings, reference latents and images come from
+    the rollout workers, so trainer ranks skip the text encoder and the VAE (`models.base.NotLoaded`).
+
+    The transformer is read from disk directly in `base_weight_dtype(device, --precision, --base_weights_dtype)`
+    (bf16 for --precision bf16 on GPU: half the host RAM and read time of an fp32 load, and no fp32 master copy of
+    the frozen weights on the GPU; fp32 on CPU or with --base_weights_dtype fp32). The wrapper still hands the
+    transformer fp32 inputs (`model.dtype = float32`), so timesteps, latents and embeddings are rounded exactly as
+    before: FSDP2's policy casts them to the compute dtype at the root, as it did with fp32 weights."""
     from models import load_model, model_family
 
     kwargs = {"max_sequence_length": args.max_sequence_length} if model_family(path) == "qwen_image" else {}
+    storage = base_weight_dtype(device, args.precision, args.base_weights_dtype)
     # Loaded on the CPU: `prepare_transformer`'s fully_shard moves one block at a time to `device` and shards it,
-    # so no GPU ever holds the whole fp32 transformer (Qwen-Image: ~80 GB). The wrapper's inputs go to `device`.
-    model = load_model(path, device="cpu", dtype=torch.float32, cfg_batch=args.cfg_batch, transformer_only=True,
-                       **kwargs)
-    model.device = torch.device(device)
+    # so no GPU ever holds the whole transformer. The wrapper's inputs go to `device`.
+    model = load_model(path, device="cpu", dtype=storage, cfg_batch=args.cfg_batch, transformer_only=True, **kwargs)
+    model.device, model.dtype = torch.device(device), torch.float32
     return model
 
 

@@ -1,0 +1,559 @@
+#!/usr/bin/env python3
+"""Benchmark whole RL steps at the released model sizes: the real `train_nft.py` / `train_dppo.py` (torchrun
+subprocesses) on random-weight checkpoints in the released layouts, each recipe's settings scaled to the GPUs
+present, the baseline configuration (today's path) and the optimised one measured in ONE invocation.
+
+    python scripts/bench_step.py --recipe qwen_dppo                    # one H200: one recipe per 10-minute call
+    python scripts/bench_step.py --recipe boogu_nft --configs baseline,optimized,optimized_train_cfg
+    python scripts/bench_step.py --smoke --out /tmp/bench_step.json    # CPU smoke run on the tiny Qwen-Image
+
+Recipes (the shipped scripts' settings; per GPU as the recipes have them per GPU, the prompt count scaled so that
+every trainer rank gets its recipe micro-batch; JSON-only JPEG compressibility reward as the cost-free stand-in for
+the judge; 512², 10 rollout steps, LoRA 64/128, activation checkpointing of every block):
+  qwen_dppo  Qwen-Image, Flow-DPPO (verl-omni's recipe: true CFG 4, noise 1.2, window 2 in [0,5]); 16 images and
+             micro 16 per trainer GPU;
+  qwen_nft   Qwen-Image, DiffusionNFT (verl-omni's recipe: no CFG, mix_beta 0.1, ref_kl_coef 1e-4); 16 images,
+             micro 8 per trainer GPU;
+  boogu_nft  Boogu-Image-0.1-Base, DiffusionNFT (the seed recipe: guidance 4, mix_beta 0.1, ref_kl_coef 10,
+             adv_clip_max 1); 12 images, micro 12 per trainer GPU.
+Configurations (the flags that differ; everything else is the recipe's):
+  baseline             today's path: fp32 frozen base (`--base_weights_dtype fp32`), training forwards with the
+                       rollout's CFG, old log-probs recomputed, adapter sync through disk, reserved layout (one GPU:
+                       the rollout worker shares cuda:0, as issue 10 measured; several: the last GPU rollout-only);
+  optimized            bf16 frozen base, CFG-free NFT training forwards (`--train_cfg off`), DPPO bypass
+                       (`--old_log_probs rollout`), `--rollout_devices colocated` when the trainer supports it,
+                       plus --optimized_flags (the integrator adds the rollout side's flags there, e.g. the
+                       in-memory adapter sync, once merged);
+  optimized_train_cfg  optimized but with the rollout's CFG in the NFT training forwards (`--train_cfg rollout`);
+  optimized_ckpt_half  optimized with selective checkpointing of half the blocks.
+The ratio of every configuration is taken against `baseline` of the same recipe in the same invocation.
+
+What is reported per run (JSON at --out, rewritten after every run, so a killed call still returns the finished
+runs; also printed): images / GPU / s = images per step / (mean step time x every GPU the layout uses: trainer
+ranks, rollout GPUs, --judge_gpus), the per-phase times (timing_s/* from the trainer's TensorBoard), perf/mfu/*
+and perf/tflop/*, the trainer ranks' peak torch memory (perf/max_memory_*), every GPU process's peak memory
+(nvidia-smi polled once a second; per GPU when the container hides process ids), the exit status and the tail of
+a failed run's log (an OOM is a result, not a crash of the benchmark). Step 1 is a warm-up and excluded.
+
+Time plan for one H200 and one 10-minute call (issue 10's measurements): checkpoint build 35-50 s per family
+(in a subprocess, written once and shared by the recipe's runs), a 10B transformer loads in about a minute on a
+trainer rank; one Boogu NFT step of 12 images ~80 s today, so `boogu_nft` with 2 steps per run (1 measured) is
+~50 + 220 (baseline) + ~130 (optimized) s; `qwen_dppo` at 60 blocks: the baseline does not fit on one H200 (fp32
+base, issue 10), so it is recorded as failed and the ratio is n/a; use --qwen_layers 40 for a ratio that fits.
+--deadline_s stops starting runs that cannot finish in time (estimated from the runs before) and kills a run that
+overruns it (recorded as timeout, with the step times its progress lines printed). --smoke starts its runs at once
+(on CPU their times mean nothing; it checks the plumbing, the JSON and the numerics of the configurations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (REPO, os.path.join(REPO, "scripts")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+SCHEMA_VERSION = 1
+FAMILY_OF = {"qwen_dppo": "qwen_image", "qwen_nft": "qwen_image", "boogu_nft": "boogu_image"}
+TRAINER_OF = {"qwen_dppo": "train_dppo.py", "qwen_nft": "train_nft.py", "boogu_nft": "train_nft.py"}
+CONFIGS = ("baseline", "optimized", "optimized_train_cfg", "optimized_ckpt_half")
+BLOCKS = {"qwen_image": lambda a: a.qwen_layers,
+          "boogu_image": lambda a: a.boogu_double_layers + a.boogu_single_layers + 3 * a.boogu_refiner_layers}
+# metrics copied per step into the JSON (numerics of the runs, next to their timings)
+METRIC_PREFIXES = ("timing_s/", "perf/", "actor/", "rollout_corr/", "critic/rewards/mean")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recipes and configurations -> trainer flags
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def recipe_flags(recipe: str, per_gpu_images: int, trainer_ranks: int, smoke: bool) -> tuple[list[str], int]:
+    """(trainer flags of the recipe's algorithm and batch, images per step) for `trainer_ranks` ranks."""
+    if recipe == "qwen_dppo":
+        n, micro = (2, 4) if smoke else (16, 16)
+        flags = ["--true_cfg_scale", "4.0", "--loss", "flow_dppo", "--kl_mask_threshold", "1e-5", "--noise_level",
+                 "1.2", "--sde_type", "sde", "--sde_window_size", "2", "--sde_window_range", "0,5" if not smoke
+                 else "0,3", "--lr", "3e-4", "--weight_decay", "1e-4"]
+    elif recipe == "qwen_nft":
+        n, micro = (2, 4) if smoke else (16, 8)
+        flags = ["--true_cfg_scale", "1.0", "--mix_beta", "0.1", "--ref_kl_coef", "1e-4", "--adv_clip_max", "5.0",
+                 "--old_policy_decay_schedule", "delayed_linear_to_0_999", "--old_policy_update_interval", "2",
+                 "--lr", "3e-4", "--weight_decay", "1e-4"]
+    elif recipe == "boogu_nft":
+        n, micro = (2, 4) if smoke else (12, 12)
+        flags = ["--guidance_scale", "4.0", "--mix_beta", "0.1", "--ref_kl_coef", "10.0", "--adv_clip_max", "1.0",
+                 "--old_policy_decay_schedule", "delayed_linear_to_0_999", "--old_policy_update_interval", "2",
+                 "--lr", "1e-4", "--weight_decay", "1e-4"]
+    else:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {sorted(FAMILY_OF)}")
+    images_per_rank = per_gpu_images or (n * 2 if smoke else n)
+    if images_per_rank % n or images_per_rank % micro:
+        raise ValueError(f"{recipe}: --per_gpu_images {images_per_rank} must be a multiple of the group size {n} "
+                         f"and of the micro-batch {micro}")
+    prompts = images_per_rank // n * trainer_ranks
+    flags += ["--train_batch_size", str(prompts), "--rollout_n", str(n), "--micro_batch_size", str(micro),
+              "--rollout_max_batch_size", str(images_per_rank)]
+    return flags, prompts * n
+
+
+def config_flags(config: str, recipe: str, blocks: int, args) -> list[str]:
+    """The flags that make `config` (see the module docstring); the layout is chosen in `layout_of`."""
+    nft = TRAINER_OF[recipe] == "train_nft.py"
+    if config == "baseline":
+        flags = ["--base_weights_dtype", "fp32"] + (["--train_cfg", "rollout"] if nft else
+                                                    ["--old_log_probs", "recompute"])
+        return flags + shlex.split(args.baseline_flags)
+    flags = ["--base_weights_dtype", "compute"]
+    if nft:
+        flags += ["--train_cfg", "rollout" if config == "optimized_train_cfg" else "off"]
+    else:
+        flags += ["--old_log_probs", "rollout"]
+    if config == "optimized_ckpt_half":
+        flags += ["--activation_checkpointing_blocks", str(blocks // 2)]
+    return flags + shlex.split(args.optimized_flags)
+
+
+def trainer_supports(flag_text: str) -> bool:
+    """Whether the trainers' flags or the rollout module mention `flag_text` (e.g. the colocated rollout layout),
+    read from the source so that no process is started for it."""
+    for name in (os.path.join("training", "step.py"), "rollout.py"):
+        with open(os.path.join(REPO, name), encoding="utf-8") as f:
+            if flag_text in f.read():
+                return True
+    return False
+
+
+def layout_of(config: str, gpus: int, smoke: bool) -> dict[str, Any]:
+    """Trainer ranks, --rollout_devices and the GPUs the layout occupies."""
+    if smoke:
+        return {"trainer_ranks": 1, "rollout_devices": "cpu", "gpus_used": 1, "name": "cpu"}
+    if config != "baseline" and trainer_supports("colocated"):
+        return {"trainer_ranks": gpus, "rollout_devices": "colocated", "gpus_used": gpus, "name": "colocated"}
+    if gpus == 1:  # issue 10's one-GPU measurement: the rollout worker shares the trainer's GPU
+        return {"trainer_ranks": 1, "rollout_devices": "cuda:0", "gpus_used": 1, "name": "shared cuda:0"}
+    return {"trainer_ranks": gpus - 1, "rollout_devices": f"cuda:{gpus - 1}", "gpus_used": gpus,
+            "name": f"reserved (rollout on cuda:{gpus - 1})"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints and data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_in_subprocess(family: str, workdir: str, args) -> tuple[str, float]:
+    """Build the released-size random checkpoint (`bench_rollout.build_checkpoint`: all blocks here) in a child
+    process, so this process never holds GPU memory. Returns (path, seconds)."""
+    start = time.perf_counter()
+    code = ("import sys, types, torch; sys.path[:0] = [%r, %r]; import bench_rollout; "
+            "a = types.SimpleNamespace(quick=False, qwen_layers=%d, boogu_double_layers=%d, boogu_single_layers=%d, "
+            "boogu_refiner_layers=%d); print(bench_rollout.build_checkpoint(%r, %r, a, torch.device('cuda'), "
+            "torch.bfloat16))") % (REPO, os.path.join(REPO, "scripts"), args.qwen_layers, args.boogu_double_layers,
+                                   args.boogu_single_layers, args.boogu_refiner_layers, family, workdir)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the {family} checkpoint failed:\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1], time.perf_counter() - start
+
+
+def tiny_checkpoint(family: str) -> str:
+    """The tiny checkpoint of the smoke mode ($TINY_MODELS_DIR, built there when missing)."""
+    import build_tiny_models
+
+    root = os.environ.get("TINY_MODELS_DIR") or os.path.join(REPO, ".cache", "tiny_models")
+    os.makedirs(root, exist_ok=True)
+    name = "qwen_image" if family == "qwen_image" else "boogu_image_base"
+    build_tiny_models.build_one(name, root, force=False)
+    return os.path.join(root, name)
+
+
+def demo_data(family: str, workdir: str) -> str:
+    from pathlib import Path
+
+    from data_prep.make_demo_data import make_demo_data
+
+    out = Path(workdir) / f"data_{family}"
+    if not (out / "train.parquet").is_file():
+        make_demo_data(out, model=family)
+    return str(out / "train.parquet")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring one run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GpuMemoryPoller:
+    """Peak GPU memory per process (pid -> MiB, with its command line) and per GPU, from nvidia-smi once a second.
+    Containers often hide process ids from nvidia-smi; the per-GPU numbers are then all there is."""
+
+    def __init__(self) -> None:
+        self.by_pid: dict[int, dict[str, Any]] = {}
+        self.by_gpu: dict[int, float] = {}
+        self.available = shutil.which("nvidia-smi") is not None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _query(self, what: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for pid, used in self._query("compute-apps=pid,used_memory"):
+                    entry = self.by_pid.setdefault(int(pid), {"peak_mib": 0.0, "cmd": _cmdline(int(pid))})
+                    entry["peak_mib"] = max(entry["peak_mib"], float(used))
+                for index, used in self._query("gpu=index,memory.used"):
+                    self.by_gpu[int(index)] = max(self.by_gpu.get(int(index), 0.0), float(used))
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+            self._stop.wait(1.0)
+
+    def __enter__(self) -> "GpuMemoryPoller":
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join(timeout=15)
+
+    def report(self) -> dict[str, Any]:
+        return {"per_process_gib": {str(pid): {"peak_gib": v["peak_mib"] / 1024, "cmd": v["cmd"]}
+                                    for pid, v in sorted(self.by_pid.items())},
+                "per_gpu_gib": {str(i): mib / 1024 for i, mib in sorted(self.by_gpu.items())},
+                "source": "nvidia-smi" if self.available else "unavailable"}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "?"
+
+
+def read_scalars(run_dir: str) -> dict[str, dict[int, float]]:
+    """Every TensorBoard scalar of a finished run: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = os.path.join(run_dir, "tensorboard")
+    if not os.path.isdir(path):
+        return {}
+    events = EventAccumulator(path, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def progress_step_times(stdout: str) -> dict[int, float]:
+    """Step times from the trainer's progress lines ("step 2/3 | 21.40s/step | ..."): what survives a kill."""
+    times = {}
+    for line in stdout.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) >= 2 and parts[0].startswith("step ") and parts[1].endswith("s/step"):
+            try:
+                times[int(parts[0].split()[1].split("/")[0])] = float(parts[1][:-len("s/step")])
+            except ValueError:
+                continue
+    return times
+
+
+def summarize(run: dict[str, Any], scalars: dict[str, dict[int, float]], step_times: dict[int, float],
+              images_per_step: int, warmup: int) -> None:
+    """Fill the per-step table and the means over the measured steps (all but the first `warmup`) into `run`."""
+    times = {s: v for s, v in scalars.get("perf/time_per_step", {}).items()} or step_times
+    steps = sorted(times)
+    run["steps"] = [{"step": s, "time_s": times[s],
+                     "metrics": {k: v[s] for k, v in sorted(scalars.items())
+                                 if s in v and k.startswith(METRIC_PREFIXES)}} for s in steps]
+    measured = [s for s in steps if s > warmup] or steps[-1:]
+    run["measured_steps"] = measured
+    if not measured:
+        return
+    step_time = statistics.mean(times[s] for s in measured)
+    run["step_time_s"] = step_time
+    run["images_per_step"] = images_per_step
+    run["images_per_gpu_s"] = images_per_step / (step_time * run["gpus_counted"])
+    mean = lambda key: statistics.mean(scalars[key][s] for s in measured if s in scalars[key])  # noqa: E731
+    run["phase_s"] = {k[len("timing_s/"):]: mean(k) for k in sorted(scalars) if k.startswith("timing_s/")
+                      and any(s in scalars[k] for s in measured)}
+    run["mfu"] = {k[len("perf/mfu/"):]: mean(k) for k in sorted(scalars) if k.startswith("perf/mfu/")
+                  and any(s in scalars[k] for s in measured)}
+    run["trainer_memory_gib"] = {k[len("perf/"):]: max(scalars[k].values()) for k in sorted(scalars)
+                                 if k.startswith("perf/max_memory_")}
+
+
+def trainer_argv(recipe: str, config: str, model_path: str, train_files: str, run_dir: str,
+                 args) -> tuple[list[str], dict[str, Any], int]:
+    """(the trainer's flags, the layout, images per step) of one run."""
+    family = FAMILY_OF[recipe]
+    layout = layout_of(config, args.gpus, args.smoke)
+    flags, images = recipe_flags(recipe, args.per_gpu_images, layout["trainer_ranks"], args.smoke)
+    blocks = BLOCKS[family](args) if not args.smoke else 4
+    size = ["--height", "64", "--width", "64", "--num_inference_steps", "4", "--lora_rank", "4", "--lora_alpha", "8",
+            "--device", "cpu", "--rollout_threads", "1"] if args.smoke else \
+        ["--height", "512", "--width", "512", "--num_inference_steps", "10", "--lora_rank", "64", "--lora_alpha",
+         "128", "--device", "cuda", "--precision", "bf16", "--rollout_dtype", "bfloat16", "--max_sequence_length",
+         "256", "--activation_checkpointing"]
+    common = ["--model_path", model_path, "--train_files", train_files, "--rollout_devices", layout["rollout_devices"],
+              "--total_training_steps", str(args.steps), "--save_freq", "1000000", "--resume", "never",
+              "--output_dir", run_dir, "--seed", "42"] + size
+    # later flags win in argparse: the configuration's override the recipe's
+    return common + flags + config_flags(config, recipe, blocks, args), layout, images
+
+
+def run_config(recipe: str, config: str, model_path: str, train_files: str, out_dir: str, args,
+               deadline: float) -> dict[str, Any]:
+    run_dir = os.path.join(out_dir, f"{recipe}-{config}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv, layout, images = trainer_argv(recipe, config, model_path, train_files, run_dir, args)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(layout["trainer_ranks"]),
+               "--master_port", str(_free_port()), os.path.join(REPO, TRAINER_OF[recipe]), *argv]
+    run: dict[str, Any] = {"recipe": recipe, "config": config, "trainer": TRAINER_OF[recipe], "layout": layout,
+                           "gpus_counted": layout["gpus_used"] + args.judge_gpus, "command": shlex.join(command),
+                           "status": "running"}
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    run["started_at"] = _now()
+    start = time.perf_counter()
+    with GpuMemoryPoller() if not args.smoke else _Null() as poller:
+        # its own session, so that on a time-out the whole tree (torchrun, its ranks, their rollout workers) is
+        # stopped by this one process-group id
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=max(deadline - time.time(), 1.0))
+            code = proc.returncode
+            run["status"] = "ok" if code == 0 else ("oom" if "out of memory" in stderr.lower() else "failed")
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            code, run["status"] = None, "timeout"
+    run["finished_at"] = _now()
+    run["wall_s"] = time.perf_counter() - start
+    run["returncode"] = code
+    if poller is not None and not args.smoke:
+        run["process_memory"] = poller.report()
+    if run["status"] != "ok":
+        run["error_tail"] = (stdout[-1500:] + "\n" + stderr[-4000:]).strip()
+    try:  # a failed or killed run may still have flushed some steps
+        scalars = read_scalars(run_dir)
+    except Exception:  # noqa: BLE001 (a truncated event file)
+        scalars = {}
+    summarize(run, scalars, progress_step_times(stdout), images, args.warmup_steps)
+    return run
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every configuration against `baseline` of the same recipe: images/GPU/s ratio (> 1 = faster) and the step
+    time ratio (baseline / this), or n/a with the reason."""
+    out = {}
+    base = runs.get("baseline", {})
+    for config, run in runs.items():
+        if config == "baseline":
+            continue
+        if "images_per_gpu_s" not in base or "images_per_gpu_s" not in run:
+            why = f"baseline {base.get('status', 'not run')}, {config} {run.get('status')}"
+            out[config] = {"vs": "baseline", "images_per_gpu_s_ratio": None, "step_time_ratio": None, "why": why}
+            continue
+        out[config] = {"vs": "baseline", "images_per_gpu_s_ratio": run["images_per_gpu_s"] / base["images_per_gpu_s"],
+                       "step_time_ratio": base["step_time_s"] / run["step_time_s"]}
+    return out
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    result["finished_at"] = _now()
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, sort_keys=True, default=str)
+    os.replace(tmp, path)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{'recipe':<10} {'config':<20} {'status':<8} {'img/GPU/s':>9} {'ratio':>6} {'s/step':>7} {'gen':>6} "
+          f"{'old_lp':>6} {'update':>7} {'sync':>5} {'mfu gen/old/upd':>17} {'mem GiB':>8}")
+    for recipe, entry in result["recipes"].items():
+        for config, run in entry["runs"].items():
+            phase, mfu = run.get("phase_s", {}), run.get("mfu", {})
+            ratio = entry.get("ratios", {}).get(config, {}).get("images_per_gpu_s_ratio")
+            fmt = lambda v, w, p=2: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+            mfus = "/".join(f"{mfu[k]:.2f}" if k in mfu else "-" for k in ("gen", "old_log_prob", "update_actor"))
+            memory = run.get("trainer_memory_gib", {}).get("max_memory_allocated_gb")
+            print(f"{recipe:<10} {config:<20} {run['status']:<8} {fmt(run.get('images_per_gpu_s'), 9, 3)} "
+                  f"{fmt(1.0 if config == 'baseline' and 'step_time_s' in run else ratio, 6)} "
+                  f"{fmt(run.get('step_time_s'), 7)} {fmt(phase.get('gen'), 6, 1)} "
+                  f"{fmt(phase.get('old_log_prob'), 6, 1)} {fmt(phase.get('update_actor'), 7, 1)} "
+                  f"{fmt(phase.get('update_weights'), 5, 1)} {mfus:>17} {fmt(memory, 8, 1)}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", action="append", choices=sorted(FAMILY_OF),
+                   help="recipe to run (repeatable; default qwen_dppo, or qwen_dppo in --smoke)")
+    p.add_argument("--configs", default="baseline,optimized", help=f"comma-separated, from {CONFIGS}")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 3 on GPU, 2 in --smoke)")
+    p.add_argument("--warmup_steps", type=int, default=1, help="first steps excluded from the means")
+    p.add_argument("--per_gpu_images", type=int, default=0, help="images per trainer GPU per step (0 = the recipe's)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    p.add_argument("--judge_gpus", type=int, default=0,
+                   help="GPUs a real judge would occupy, added to the images/GPU/s denominator (JPEG reward here)")
+    p.add_argument("--qwen_layers", type=int, default=60, help="Qwen-Image blocks (released: 60)")
+    p.add_argument("--boogu_double_layers", type=int, default=8, help="Boogu double-stream blocks (released: 8)")
+    p.add_argument("--boogu_single_layers", type=int, default=32, help="Boogu single-stream blocks (released: 32)")
+    p.add_argument("--boogu_refiner_layers", type=int, default=2, help="Boogu refiner blocks each (released: 2)")
+    p.add_argument("--baseline_flags", default="", help="extra trainer flags of the baseline runs")
+    p.add_argument("--optimized_flags", default="", help="extra trainer flags of every optimized* run")
+    p.add_argument("--deadline_s", type=float, default=570.0, help="wall-time budget of this invocation")
+    p.add_argument("--workdir", default=None, help="checkpoints, data and run folders (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the workdir (checkpoints are large)")
+    p.add_argument("--out", default="bench_step.json", help="the JSON report (rewritten after every run)")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU smoke run: tiny Qwen-Image (or Boogu) checkpoint, 64x64, 4 steps, 1 rank, 2 steps")
+    args = p.parse_args(argv)
+    args.recipe = args.recipe or ["qwen_dppo"]
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = sorted(set(args.configs) - set(CONFIGS))
+    if bad:
+        p.error(f"unknown --configs {bad}; choose from {CONFIGS}")
+    if "baseline" not in args.configs:
+        p.error("--configs must include baseline: every ratio is against the baseline measured in the same run")
+    args.steps = args.steps or (2 if args.smoke else 3)
+    if args.steps <= args.warmup_steps:
+        p.error(f"--steps ({args.steps}) must exceed --warmup_steps ({args.warmup_steps}) to measure anything")
+    if args.gpus is None:
+        args.gpus = 0 if args.smoke else _visible_gpus()
+    if not args.smoke and args.gpus < 1:
+        p.error("no GPU visible: run on a GPU machine, or use --smoke on CPU")
+    return args
+
+
+def _visible_gpus() -> int:
+    """GPU count without creating a CUDA context in this process (nvidia-smi, else torch)."""
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        count = len([line for line in out.splitlines() if line.startswith("GPU ")])
+        return len([v for v in visible.split(",") if v.strip()]) if visible else count
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    deadline = started + args.deadline_s
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_step-")
+    os.makedirs(workdir, exist_ok=True)
+    import torch
+    from training.logs import git_commit
+
+    result: dict[str, Any] = {
+        "bench": "bench_step", "schema_version": SCHEMA_VERSION, "started_at": _now(), "smoke": args.smoke,
+        "args": vars(args), "git_commit": git_commit(REPO),
+        "machine": {"host": socket.gethostname(), "gpus": args.gpus, "torch": torch.__version__,
+                    "cuda": str(torch.version.cuda), "gpu_names": _gpu_names()},
+        "peak_tflops_env": os.environ.get("FLOWRL_PEAK_TFLOPS"), "recipes": {}}
+    print(f"bench_step: recipes {args.recipe}, configs {args.configs}, {args.steps} steps per run (first "
+          f"{args.warmup_steps} excluded), {'CPU smoke' if args.smoke else f'{args.gpus} GPU(s)'}, out {args.out}")
+    status = 0
+    try:
+        families = sorted({FAMILY_OF[r] for r in args.recipe}, key=[FAMILY_OF[r] for r in args.recipe].index)
+        for family in families:  # one checkpoint per family, deleted after its recipes (disk: 41 + 21 GB)
+            if args.smoke:
+                model_path, build_s = tiny_checkpoint(family), 0.0
+            else:
+                model_path, build_s = build_in_subprocess(family, workdir, args)
+                print(f"  built {family} ({BLOCKS[family](args)} blocks) in {build_s:.0f}s")
+            train_files = demo_data(family, workdir)
+            for recipe in [r for r in args.recipe if FAMILY_OF[r] == family]:
+                entry = result["recipes"].setdefault(recipe, {"family": family, "build_s": build_s, "runs": {}})
+                nft = TRAINER_OF[recipe] == "train_nft.py"
+                configs = [c for c in args.configs if c != "optimized_train_cfg" or nft]
+                if args.smoke:  # CPU smoke: the runs at once (their times mean nothing here; halves the wall time)
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    with ThreadPoolExecutor(len(configs)) as pool:
+                        runs = list(pool.map(lambda c: run_config(recipe, c, model_path, train_files, workdir,
+                                                                  args, deadline), configs))
+                    entry["runs"] = dict(zip(configs, runs))
+                    entry["ratios"] = ratios(entry["runs"])
+                    status = max(status, int(any(r["status"] != "ok" for r in runs)))
+                    continue
+                last_wall = None
+                for config in configs:
+                    if last_wall is not None and time.time() + 0.8 * last_wall > deadline:
+                        entry["runs"][config] = {"status": "skipped", "why": "not enough time left in --deadline_s"}
+                        continue
+                    run = run_config(recipe, config, model_path, train_files, workdir, args, deadline)
+                    last_wall = run["wall_s"]
+                    entry["runs"][config] = run
+                    entry["ratios"] = ratios(entry["runs"])
+                    write_json(result, args.out)
+                    print(f"  {recipe}/{config}: {run['status']} in {run['wall_s']:.0f}s"
+                          + (f", {run['images_per_gpu_s']:.3f} images/GPU/s" if "images_per_gpu_s" in run else ""))
+                    if run["status"] not in ("ok", "oom", "timeout"):
+                        status = 1
+            if not args.smoke and not args.keep:
+                shutil.rmtree(os.path.join(workdir, family), ignore_errors=True)
+    finally:
+        write_json(result, args.out)
+        if args.workdir is None and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print_table(result)
+    print(f"\nratio = this configuration's images/GPU/s / the baseline's, measured in this invocation; "
+          f"JSON: {args.out}; wall {time.time() - started:.0f}s")
+    return status
+
+
+def _gpu_names() -> list[str]:
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

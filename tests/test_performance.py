@@ -1,0 +1,289 @@
+"""Tests for issue 10's training-side speed work: frozen base weights stored in bf16 (same numbers as an fp32 base
+under the bf16 FSDP2 policy), fp32-exact LoRA init on a bf16 base, selective activation checkpointing, the
+rollout's transition means (Flow-DPPO bypass), the per-family FLOP models against torch's FlopCounterMode, the
+MFU / memory metrics and the DiffusionNFT CFG flags. CPU, tiny models, seconds."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path[:0] = [REPO, HERE]
+
+import training as T  # noqa: E402
+from models import lora  # noqa: E402
+from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_process_group():
+    created = not torch.distributed.is_initialized()
+    info = T.init_distributed("cpu")
+    yield info
+    if created:
+        T.cleanup_distributed()
+
+
+def bf16_policy():
+    """The GPU policy of --precision bf16, made explicit so that FSDP2 applies it on CPU/gloo too."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def tiny(base_dtype: torch.dtype, *, shard: bool = True, checkpoint_blocks=None):
+    """The tiny transformer (base weights from seed 0) stored in `base_dtype`, LoRA "default"+"old" from seed 1
+    with random non-zero B, sharded under the bf16 policy."""
+    torch.manual_seed(0)
+    model = TinyFlowTransformer()
+    model.requires_grad_(False)
+    T.cast_frozen_base_(model, base_dtype)
+    torch.manual_seed(1)
+    T.add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0, adapter_names=("default", "old"),
+                        block_prefixes=BLOCK_PREFIXES)
+    with torch.no_grad():
+        for name, p in T.adapter_params(model, "default"):
+            if ".lora_B." in name:
+                p.normal_(0, 0.2)
+    if checkpoint_blocks is not None:
+        T.apply_activation_checkpointing(model, BLOCK_PREFIXES, checkpoint_blocks)
+    if shard:
+        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy())
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# frozen base weights in bf16
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_base_weight_dtype_follows_the_compute_dtype():
+    assert T.base_weight_dtype(torch.device("cuda", 0), "bf16", "compute") == torch.bfloat16
+    assert T.base_weight_dtype(torch.device("cuda", 0), "bf16", "fp32") == torch.float32  # the old path
+    assert T.base_weight_dtype(torch.device("cuda", 0), "fp32", "compute") == torch.float32
+    assert T.base_weight_dtype(torch.device("cpu"), "bf16", "compute") == torch.float32  # CPU computes in fp32
+    with pytest.raises(ValueError, match="base_weights_dtype"):
+        T.base_weight_dtype("cpu", "bf16", "bf16")
+
+
+def test_bf16_stored_base_equals_fp32_base_under_the_bf16_policy():
+    """Forward values, LoRA gradients and the weights after two AdamW steps are bit-identical whether the frozen
+    base is stored in fp32 (cast by FSDP2 every forward) or in bf16; dtypes: base bf16, LoRA + grads + Adam fp32."""
+    from torch.distributed.tensor import DTensor
+
+    ref, new = tiny(torch.float32), tiny(torch.bfloat16)
+    base = [p for n, p in new.named_parameters() if ".lora_" not in n]
+    assert base and all(p.dtype == torch.bfloat16 and isinstance(p, DTensor) for p in base)
+    assert all(p.dtype == torch.float32 for _, p in T.adapter_params(new, "default") + T.adapter_params(new, "old"))
+    opts = [T.build_optimizer(m, lr=1e-2) for m in (ref, new)]
+    x = torch.randn(2, 5, 4)
+    for _ in range(2):  # the second forward runs on the weights after one AdamW step
+        outs = []
+        for model, opt in zip((ref, new), opts):
+            y = model(x)
+            y.float().pow(2).mean().backward()
+            outs.append(y.detach())
+            grads = [T._full(p.grad) for _, p in T.adapter_params(model, "default")]
+            assert all(g.dtype == torch.float32 for g in grads)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+    for (n, p), (_, q) in zip(T.adapter_params(ref, "default"), T.adapter_params(new, "default")):
+        assert torch.equal(T._full(p), T._full(q)), n
+    state = next(iter(opts[1].state.values()))
+    assert state["exp_avg"].dtype == torch.float32
+
+
+def test_lora_init_is_fp32_exact_on_a_bf16_base():
+    """peft moves a new adapter to its base layer's dtype; `add_lora_adapters` must still give the fp32 init."""
+    ref, new = tiny(torch.float32, shard=False), tiny(torch.bfloat16, shard=False)
+    pairs = list(zip(T.adapter_params(ref, "old"), T.adapter_params(new, "old")))  # "old": untouched after init
+    assert all(torch.equal(p, q) for (_, p), (_, q) in pairs)
+    assert all(q.requires_grad is False for n, q in new.named_parameters() if ".lora_" not in n)
+    # the same injection through peft alone rounds the initial A through bf16: the guard above is needed
+    torch.manual_seed(0)
+    plain = TinyFlowTransformer().to(torch.bfloat16)
+    torch.manual_seed(1)
+    lora.apply_lora(plain, list(TARGETS), rank=3, alpha=6.0, block_prefixes=BLOCK_PREFIXES,
+                    adapter_names=("default", "old"), init_lora_weights="gaussian")
+    a_ref = [p for n, p in T.adapter_params(ref, "old") if ".lora_A." in n]
+    a_plain = [p for n, p in T.adapter_params(plain, "old") if ".lora_A." in n]
+    assert any(not torch.equal(p, q.float()) for p, q in zip(a_ref, a_plain))
+
+
+def test_load_flow_model_reads_bf16_and_keeps_fp32_inputs(tiny_models):
+    """The real tiny Qwen-Image loaded as on a bf16 GPU trainer rank (weights read in bf16, wrapper inputs fp32)
+    gives the velocities of the fp32-loaded model under the same bf16 policy, bit for bit."""
+    from models.base import PromptEmbeds
+
+    path = os.path.join(tiny_models, "qwen_image")
+    flags = SimpleNamespace(max_sequence_length=64, cfg_batch=False, precision="bf16", base_weights_dtype="compute")
+    new = T.load_flow_model(path, flags, torch.device("cuda", 0))  # loads on the CPU; no CUDA needed
+    ref = T.load_flow_model(path, SimpleNamespace(**{**vars(flags), "base_weights_dtype": "fp32"}),
+                            torch.device("cuda", 0))
+    assert {p.dtype for p in new.transformer.parameters()} == {torch.bfloat16} and new.dtype == torch.float32
+    assert {p.dtype for p in ref.transformer.parameters()} == {torch.float32} and ref.dtype == torch.float32
+    torch.manual_seed(3)
+    prompt = PromptEmbeds(torch.randn(2, 7, ref.transformer.config.joint_attention_dim), torch.ones(2, 7))
+    x = torch.randn(2, 16, 64)
+    outs = []
+    for model in (ref, new):
+        model.device = torch.device("cpu")
+        torch.manual_seed(1)
+        T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
+                            block_prefixes=model.lora_block_prefixes)
+        T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu")
+        outs.append(model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64))
+    assert outs[0].dtype == torch.float32 and torch.equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# selective activation checkpointing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_selective_checkpointing_chooses_evenly_and_keeps_gradients():
+    assert T.checkpointed_block_indices(4) == [0, 1, 2, 3]
+    assert T.checkpointed_block_indices(46, 0) == []
+    assert T.checkpointed_block_indices(6, 3) == [1, 3, 5]
+    assert len(T.checkpointed_block_indices(46, 23)) == 23 and len(T.checkpointed_block_indices(60, 7)) == 7
+    with pytest.raises(ValueError, match="activation_checkpointing_blocks"):
+        T.checkpointed_block_indices(3, 4)
+    plain, partial = tiny(torch.float32, shard=False), tiny(torch.float32, shard=False, checkpoint_blocks=2)
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in partial.named_parameters()]
+    x = torch.randn(2, 5, 4)
+    plain(x).pow(2).mean().backward()
+    partial(x).pow(2).mean().backward()
+    for (n, p), (_, q) in zip(T.adapter_params(plain, "default"), T.adapter_params(partial, "default")):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the rollout's transition means (Flow-DPPO bypass)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_rollout_returns_the_transition_means_the_replay_computes(tiny_models):
+    import losses
+    import rollout
+
+    engine = rollout.NativeEngine(os.path.join(tiny_models, "qwen_image"), max_batch_size=4)
+    request = rollout.RolloutRequest(
+        prompts=["a sign that says 'open'", "a red kite"] * 2, negative_prompts=[" "] * 4,
+        seeds=[rollout.row_seed(7, 1, i) for i in range(4)], num_inference_steps=4, height=32, width=32,
+        true_cfg_scale=3.0, noise_level=1.0, sde_window_size=2, sde_window_range=(0, 3), return_log_probs=True,
+        return_trajectory=True)
+    result = engine.generate(request)
+    assert result.all_means.dtype == torch.float32 and result.all_means.shape == result.all_latents[:, 1:].shape
+    model, cond = engine.model, result.conditioning("cpu")
+    sigmas = result.metadata["sigmas"]
+    for j in range(2):
+        sigma, sigma_next = losses.sigmas_at_timesteps(result.all_timesteps[:, j], sigmas)
+        with torch.no_grad():
+            v = model.guided_velocity(result.all_latents[:, j], sigma, cond.prompt, cond.negative, 3.0,
+                                      height=32, width=32)
+        replay = losses.sde_step(result.all_latents[:, j], v, sigma, sigma_next, noise_level=1.0,
+                                 sigma_max=sigmas[1], prev_sample=result.all_latents[:, j + 1])
+        torch.testing.assert_close(result.all_means[:, j], replay.prev_sample_mean, rtol=0, atol=1e-6)
+        torch.testing.assert_close(result.all_log_probs[:, j], replay.log_prob, rtol=0, atol=1e-5)
+    # carried through select / cat like the other per-sample tensors
+    joined = rollout.RolloutResult.cat([result.select([2, 3]), result.select([0, 1])])
+    assert torch.equal(joined.all_means, result.all_means[[2, 3, 0, 1]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FLOP models, MFU and memory metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base", "boogu_image_edit"])
+def test_forward_flops_equal_torch_flop_counter(tiny_models, name):
+    """The config-derived FLOP model equals torch.utils.flop_counter's count of a real forward (SDPA on the math
+    kernel so that attention matmuls are counted too), for T2I and edit (reference tokens)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models import load_model
+
+    model = load_model(os.path.join(tiny_models, name))
+    prompt = model.encode_prompt(["a sign that says 'hello'"]).index([0, 0])  # equal lengths: no padding
+    x = model.prepare_noise(64, 64, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    kw, refs = {}, None
+    if name == "boogu_image_edit":
+        image = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        kw["ref_latents"] = model.encode_reference([image, image], [torch.Generator().manual_seed(s) for s in (5, 6)])
+        h, w = kw["ref_latents"].shape[-2:]
+        refs = [[(h // 2) * (w // 2)]] * 2
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.predict_velocity(x, torch.tensor([0.7, 0.3]), prompt, height=64, width=64, **kw)
+    text = prompt.mask.sum(dim=1).tolist()
+    assert model.forward_flops(16, text, refs) == counter.get_total_flops()
+
+
+def test_qwen_flops_reproduce_the_published_worked_numbers():
+    """rewards_data_anchors.md §4.3 (released Qwen-Image, per image and timestep, forward + backward = 3x): 47.0
+    TFLOP at 512² with 64 text tokens, 55.9 with 256, 207.9 at 1024² with 64."""
+    from models.qwen_image import qwen_image_forward_flops
+
+    config = SimpleNamespace(num_layers=60, num_attention_heads=24, attention_head_dim=128, in_channels=64,
+                             out_channels=16, patch_size=2, joint_attention_dim=3584)
+    for image_tokens, text_tokens, tflop in ((1024, 64, 47.0), (1024, 256, 55.9), (4096, 64, 207.9)):
+        got = 3 * qwen_image_forward_flops(config, image_tokens, [text_tokens]) / 1e12
+        assert got == pytest.approx(tflop, abs=0.06)
+
+
+def test_transformer_flops_mfu_and_device_counts(monkeypatch):
+    from models.base import Conditioning, PromptEmbeds
+
+    calls = []
+    model = SimpleNamespace(forward_flops=lambda n_img, text, refs: calls.append((n_img, text, refs)) or 1e12)
+    cond = Conditioning(PromptEmbeds(torch.zeros(2, 5, 3), torch.tensor([[1, 1, 1, 0, 0], [1] * 5])),
+                        PromptEmbeds(torch.zeros(2, 2, 3), torch.ones(2, 2)), torch.zeros(2, 16, 8, 6))
+    assert T.transformer_flops(model, cond, height=512, width=256, guided=True) == 2e12
+    assert calls == [(512, [3, 5], [[12], [12]]), (512, [2, 2], [[12], [12]])]
+    assert T.transformer_flops(model, cond, height=512, width=256, guided=False) == 1e12
+    timings = {"timing_s/gen": 2.0, "timing_s/update_actor": 4.0}
+    phases = {"gen": (8e12, 2), "old_log_prob": (1e12, 1), "update_actor": (6e12, 1)}
+    monkeypatch.delenv(T.PEAK_TFLOPS_ENV, raising=False)
+    assert T.phase_perf_metrics(timings, phases, "cpu") == {"perf/tflop/gen": 8.0, "perf/tflop/update_actor": 6.0}
+    monkeypatch.setenv(T.PEAK_TFLOPS_ENV, "1")  # 1 TFLOP/s
+    metrics = T.phase_perf_metrics(timings, phases, "cpu")
+    assert metrics["perf/mfu/gen"] == pytest.approx(8 / (2 * 2)) and metrics["perf/mfu/update_actor"] == 1.5
+    assert "perf/mfu/old_log_prob" not in metrics  # no timing: the phase did not run (bypass)
+    monkeypatch.setenv(T.PEAK_TFLOPS_ENV, "fast")
+    with pytest.raises(ValueError, match=T.PEAK_TFLOPS_ENV):
+        T.device_peak_flops("cpu")
+    assert T.rollout_device_count("colocated") == 1 and T.rollout_device_count("cuda:2,cuda:3") == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DiffusionNFT: CFG of the training forwards, verl-omni's Qwen default; DPPO bypass flag
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_nft_training_cfg_flag_and_qwen_default():
+    import train_dppo
+    import train_nft
+    from models.base import FlowModel
+
+    base = ["--model_path", "m", "--train_files", "t.parquet"]
+    qwen, boogu = FlowModel(), FlowModel()
+    qwen.family, boogu.family = "qwen_image", "boogu_image"
+    nft = train_nft.parse_args(base)
+    assert nft.train_cfg == "rollout"  # default: today's behaviour (training forwards guided like the rollout)
+    assert train_nft.parse_args(base + ["--train_cfg", "off"]).train_cfg == "off"
+    assert T.guidance_of(qwen, nft) == 1.0  # verl-omni's Qwen-Image NFT recipe: true_cfg_scale = 1.0
+    assert T.guidance_of(boogu, nft) == 4.0  # Boogu keeps its released guidance_scale
+    assert T.guidance_of(qwen, train_nft.parse_args(base + ["--true_cfg_scale", "3"])) == 3.0
+    dppo = train_dppo.parse_args(base)
+    assert T.guidance_of(qwen, dppo) == 4.0 and dppo.old_log_probs == "recompute"
+    with pytest.raises(SystemExit):
+        train_nft.parse_args(base + ["--train_cfg", "half"])
