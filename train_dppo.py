@@ -138,13 +138,13 @@ def main(argv=None) -> None:
                             out = replay(model, latents[rows_, j], timesteps[rows_, j], latents[rows_, j + 1],
                                          cond_mb, sigmas, scale, args)
                             if args.loss == "flow_dppo":
-                                loss, loss_metrics = losses.flow_dppo_loss(
+                                loss, loss_metrics = run.stepper.checked_loss(losses.flow_dppo_loss,
                                     out.log_prob, old_log_probs[rows_, j], advantages[rows_], out.prev_sample_mean,
                                     old_means[rows_, j], out.std_dev_t, out.sqrt_neg_dt,
                                     kl_mask_threshold=args.kl_mask_threshold,
                                     add_kl_coefficient=args.add_kl_coefficient)
                             else:
-                                loss, loss_metrics = losses.flow_grpo_loss(
+                                loss, loss_metrics = run.stepper.checked_loss(losses.flow_grpo_loss,
                                     out.log_prob, old_log_probs[rows_, j], advantages[rows_],
                                     clip_ratio=args.clip_ratio, adv_clip_max=args.adv_clip_max)
                             (loss / (len(micro_starts) * num_w)).backward()
