@@ -100,7 +100,7 @@ def test_crash_between_checkpoints_then_resume_with_moved_data_new_flags_and_ctr
     moved.parent.mkdir()
     shutil.copy(data, moved)
     run = Trainer("train_dppo.py", cli(**base, train_files=moved, total_training_steps=8,
-                                       genrm_url="http://127.0.0.1:9999", rollout_max_batch_size=1))
+                                       genrm_url="http://127.0.0.1:9999", rollout_max_batch_size=2))
     run.wait_for("step 4/8")
     run.ctrl_c()
     assert run.finish() != 0
