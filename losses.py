@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "NonFiniteLossError",
     "SDEStep",
     "apply_cfg",
     "diffusion_nft_loss",
@@ -421,13 +422,25 @@ def _require_same_shape(**tensors: torch.Tensor) -> None:
         raise ValueError(f"shapes must match: {shapes}")
 
 
-def _raise_if_not_finite(result: torch.Tensor, **inputs: torch.Tensor) -> None:
-    """One sync on the happy path; on a non-finite result, name the inputs that caused it."""
+class NonFiniteLossError(ValueError):
+    """A loss came out NaN/inf (diverged weights, an overflow): a fact about the numbers, not a bad argument.
+
+    `loss` (still attached to the graph) and `metrics` (same keys as a finite call) let a trainer back-propagate it
+    anyway so every rank runs the same collectives, and skip the optimizer step (`training.GradStepper`)."""
+
+    def __init__(self, message: str, loss: torch.Tensor, metrics: dict[str, float]) -> None:
+        super().__init__(message)
+        self.loss, self.metrics = loss, metrics
+
+
+def _raise_if_not_finite(result: torch.Tensor, loss: torch.Tensor, metrics: dict[str, float],
+                         **inputs: torch.Tensor) -> None:
+    """One sync on the happy path; on a non-finite result, raise NonFiniteLossError naming the inputs that caused it."""
     if bool(torch.isfinite(result).all().item()):
         return
     culprits = [name for name, t in inputs.items() if t is not None and not bool(torch.isfinite(t).all().item())]
     where = f"non-finite input(s): {', '.join(culprits)}" if culprits else "overflow inside the loss"
-    raise ValueError(f"loss is not finite ({where}); refusing to back-propagate NaN/inf")
+    raise NonFiniteLossError(f"loss is not finite ({where}); refusing to back-propagate NaN/inf", loss, metrics)
 
 
 def _std(x: torch.Tensor, unbiased: bool) -> float:
@@ -461,7 +474,6 @@ def flow_grpo_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
     loss = torch.mean(torch.maximum(unclipped, clipped))
-    _raise_if_not_finite(loss, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     with torch.no_grad():
         ratio_d = ratio.detach()
         metrics = {
@@ -473,6 +485,7 @@ def flow_grpo_loss(
             "ratio_mean": float(ratio_d.mean().item()),
             "ratio_std": _std(ratio_d, unbiased=True),
         }
+    _raise_if_not_finite(loss, loss, metrics, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     return loss, metrics
 
 
@@ -540,12 +553,6 @@ def flow_dppo_loss(
     safe_ratio = torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
     per_sample = torch.where(keep, -advantages * safe_ratio, torch.zeros_like(safe_ratio))
     loss = torch.mean(per_sample)
-    _raise_if_not_finite(
-        torch.stack([loss.detach(), kl.sum()]),
-        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
-        prev_sample_mean=prev_sample_mean, old_prev_sample_mean=old_prev_sample_mean,
-        std_dev_t=std_dev_t, sqrt_neg_dt=sqrt_neg_dt,
-    )
     with torch.no_grad():
         log_ratio_d = log_ratio.detach()
         metrics = {
@@ -564,6 +571,12 @@ def flow_dppo_loss(
             "masked_fraction": float(masked.float().mean().item()),
             "unmasked_fraction": float(keep.float().mean().item()),
         }
+    _raise_if_not_finite(
+        torch.stack([loss.detach(), kl.sum()]), loss, metrics,
+        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
+        prev_sample_mean=prev_sample_mean, old_prev_sample_mean=old_prev_sample_mean,
+        std_dev_t=std_dev_t, sqrt_neg_dt=sqrt_neg_dt,
+    )
     return loss, metrics
 
 
@@ -653,10 +666,6 @@ def diffusion_nft_loss(
     in_range = (reward_weight >= 0).all() & (reward_weight <= 1).all()
     if not bool(in_range.item()):
         raise ValueError("reward_prob must lie in [0, 1] (use reward_probability on the advantages)")
-    _raise_if_not_finite(
-        loss, forward_prediction=forward_prediction, old_prediction=old_prediction, x0=x0, xt=xt, t=t,
-        reward_prob=reward_prob, ref_prediction=ref_prediction,
-    )
     with torch.no_grad():
         metrics = {
             "policy_loss": float(policy_loss.item()),
@@ -667,6 +676,10 @@ def diffusion_nft_loss(
             "reward_prob_mean": float(reward_weight.mean().item()),
             "total_loss": float(loss.item()),
         }
+    _raise_if_not_finite(
+        loss, loss, metrics, forward_prediction=forward_prediction, old_prediction=old_prediction, x0=x0, xt=xt, t=t,
+        reward_prob=reward_prob, ref_prediction=ref_prediction,
+    )
     return loss, metrics
 
 

@@ -949,6 +949,10 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
                         help="run CFG as one transformer forward over [cond ; uncond] instead of two")
     args = parser.parse_args(argv)
     _die_with_parent()
+    # a terminal Ctrl-C (same process group) or a scheduler's SIGTERM must not kill the worker before the trainer
+    # has finished its step: the parent closes it (stdin EOF, then SIGKILL; PDEATHSIG if the parent dies)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     channel_in, channel_out = sys.stdin.buffer, sys.stdout.buffer

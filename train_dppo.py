@@ -155,13 +155,13 @@ def main(argv=None) -> None:
                             if first_pass is not None and epoch == 0 and mini == 0:  # weights = the rollout's
                                 first_pass[rows_, j] = out.log_prob.detach()
                             if args.loss == "flow_dppo":
-                                loss, loss_metrics = losses.flow_dppo_loss(
+                                loss, loss_metrics = run.stepper.checked_loss(losses.flow_dppo_loss,
                                     out.log_prob, old_log_probs[rows_, j], advantages[rows_], out.prev_sample_mean,
                                     old_means[rows_, j], out.std_dev_t, out.sqrt_neg_dt,
                                     kl_mask_threshold=args.kl_mask_threshold,
                                     add_kl_coefficient=args.add_kl_coefficient)
                             else:
-                                loss, loss_metrics = losses.flow_grpo_loss(
+                                loss, loss_metrics = run.stepper.checked_loss(losses.flow_grpo_loss,
                                     out.log_prob, old_log_probs[rows_, j], advantages[rows_],
                                     clip_ratio=args.clip_ratio, adv_clip_max=args.adv_clip_max)
                             (loss / (len(micro_starts) * num_w)).backward()

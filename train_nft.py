@@ -132,7 +132,7 @@ def main(argv=None) -> None:
                                     with lora.lora_disabled(model.transformer):
                                         v_ref = forward()
                             v = forward()
-                            loss, loss_metrics = losses.diffusion_nft_loss(
+                            loss, loss_metrics = run.stepper.checked_loss(losses.diffusion_nft_loss,
                                 v, v_old, x0_mb, xt, t, reward_prob[rows_], mix_beta=args.mix_beta,
                                 adv_clip_max=args.adv_clip_max, ref_prediction=v_ref, ref_kl_coef=args.ref_kl_coef,
                                 adaptive_weight_min=args.adaptive_weight_min)

@@ -102,6 +102,27 @@ def main() -> None:
     stepper2.step(opt2)
     after3b = T.adapter_state_dict(model2, "default")
 
+    # a non-finite loss seen on rank 1 only, then a non-finite update on rank 1 only: both ranks skip (they agree)
+    import losses
+
+    before_skips = T.adapter_state_dict(model2, "default")
+
+    def flagged(x):
+        loss = model2(x).pow(2).mean()
+        if info.rank == 1:
+            raise losses.NonFiniteLossError("injected on rank 1", loss, {})
+        return loss, {}
+
+    skipped = []
+    loss, _ = stepper2.checked_loss(flagged, data[batch2.local])
+    loss.backward()
+    skipped.append(stepper2.step(opt2)["actor/step_skipped"])
+    opt2.param_groups[0]["lr"] = float("inf") if info.rank == 1 else 1e-2
+    model2(data[batch2.local]).pow(2).mean().backward()
+    skipped.append(stepper2.step(opt2)["actor/step_skipped"])
+    opt2.param_groups[0]["lr"] = 1e-2
+    after_skips = T.adapter_state_dict(model2, "default")
+
     bad = T.MetricAccumulator()
     bad.add({"actor/a" if info.rank == 0 else "actor/b": 1.0})
     try:
@@ -141,6 +162,9 @@ def main() -> None:
         "resume_loss_equal": bool(torch.equal(loss3.detach(), loss3b.detach())),
         "resume_params_equal": all(torch.equal(after3[k], after3b[k]) for k in after3),
         "resume_step": state["step"],
+        "skipped": skipped,
+        "skips_left_params": all(torch.equal(before_skips[k], after_skips[k]) for k in before_skips),
+        "skip_reason": stepper2.last_skip_reason,
         "ckpt_path": path,
         "fused": bool(opt.defaults["fused"]),
         "params_with_state": [len(opt.state), len(opt2.state), len(opt.param_groups[0]["params"])],

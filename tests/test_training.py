@@ -6,6 +6,7 @@ FSDP2 / DTensor code paths are exercised here too; the 2-rank test checks shardi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -436,14 +437,21 @@ def test_checkpoint_layout_and_atomic_save(trained_checkpoint, monkeypatch):
                      "optimizer.pt", "rng.pt", "trainer_state.json"}
     state = json.load(open(os.path.join(path, "trainer_state.json")))
     assert state["step"] == 3 and state["world_size"] == 1
-    optim = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)
+    optim = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True)  # plain tensors and containers
+    assert len(torch.load(os.path.join(path, "rng.pt"), weights_only=True)) == 1
     assert sorted(optim["state"]) == sorted(n for n, _ in make_model(shard=False)[0].named_parameters()
                                             if ".lora_" in n and ".default." in n)
     assert set(optim["state"]["blocks.0.to_q.lora_A.default.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert optim["param_groups"][0]["lr"] == 1e-2
     assert set(state["versions"]) >= {"torch", "diffusers", "transformers", "peft", "python"}
     assert re.fullmatch(r"[0-9a-f]{64}", state["config_fingerprint"])
-    assert state["fingerprinted_config"] == {"lora_rank": 3, "lr": 0.01, "model_path": "/tiny", "seed": 0}
+    assert state["fingerprinted_config"] == {"lora_rank": 3, "lr": 0.01, "seed": 0}  # a path may move: not here
+    assert state["logged_config"] == {"model_path": "/tiny", "total_training_steps": 5}
+    manifest = json.load(open(os.path.join(path, "COMPLETE")))
+    entry = manifest["files"]["optimizer.pt"]
+    assert manifest["format"] == T.CHECKPOINT_FORMAT
+    assert entry["size"] == os.path.getsize(os.path.join(path, "optimizer.pt"))
+    assert entry["sha256"] == hashlib.sha256(open(os.path.join(path, "optimizer.pt"), "rb").read()).hexdigest()
     assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
     # a crash in the middle of a save leaves only a temp dir; "latest" still points at the complete step 3
     model, cfg, opt, stepper, sampler = _fresh_run(lora_seed=1)
@@ -464,13 +472,21 @@ def test_checkpoint_layout_and_atomic_save(trained_checkpoint, monkeypatch):
     # a process killed mid-save leaves a temp dir behind: ignored
     shutil.copytree(path, os.path.join(root, ".tmp-step_00000007-deadbeef"))
     assert T.find_latest(root) == path
-    # keep_last prunes older complete checkpoints; re-saving a step replaces it atomically
+    # keep_last prunes older complete checkpoints only once the new one is in place; re-saving a step replaces it
     _save(root, 8, model, cfg, opt, stepper, sampler)
     T.save_checkpoint(root, 9, transformer=model, optimizer=opt, lora_config=cfg, config=CONFIG, sampler=sampler,
                       adapter_names=("default", "old"), keep_last=2)
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000008", "step_00000009"]
     _save(root, 9, model, cfg, opt, stepper, sampler)
     assert T.find_latest(root).endswith("step_00000009")
+    T.verify_checkpoint(T.find_latest(root))
+    # a save that cannot write keeps the newest checkpoint even with keep_last=1
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="simulated"):
+        T.save_checkpoint(root, 10, transformer=model, optimizer=opt, lora_config=cfg, config=CONFIG,
+                          sampler=sampler, adapter_names=("default", "old"), keep_last=1)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000008", "step_00000009"]
 
 
 def test_config_mismatch_is_refused_with_key_names(trained_checkpoint):
@@ -510,15 +526,19 @@ def test_partial_and_corrupt_checkpoints_fail_clearly(trained_checkpoint):
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(T.CheckpointError, match="corrupt.*adapter_model.safetensors"):
         _load(trunc, *fresh())
-    # same size but garbage bytes: the reader's error is wrapped with the path
+    # same size but garbage bytes: caught by the sha256 manifest; without it the reader's error names the path
     garbage = os.path.join(root, "step_00000006")
     shutil.copytree(good, garbage)
     weights = os.path.join(garbage, "adapters", "default", "adapter_model.safetensors")
     size = os.path.getsize(weights)
     with open(weights, "wb") as f:
         f.write(b"\xff" * size)
-    with pytest.raises(T.CheckpointError, match="cannot read LoRA adapter"):
+    with pytest.raises(T.CheckpointError, match="sha256"):
         _load(garbage, *fresh())
+    model, opt, sampler = fresh()
+    with pytest.raises(T.CheckpointError, match="cannot read LoRA adapter"):
+        T.load_checkpoint(garbage, transformer=model, optimizer=opt, config=CONFIG, sampler=sampler,
+                          adapter_names=("default", "old"), verify_sha256=False)
     # only incomplete step directories: refuse instead of silently starting fresh
     lonely = os.path.join(root, "..", "only_partial")
     os.makedirs(lonely)
@@ -573,6 +593,314 @@ def test_checkpoint_adapter_loads_in_diffusers(tmp_path):
     old_saved = T.adapter_state_dict(transformer, "old")
     old_loaded = {re.sub(r"\.old\.", ".", n): p for n, p in engine_side.named_parameters() if ".lora_" in n}
     assert all(torch.equal(old_loaded[k].detach(), old_saved[k]) for k in old_saved)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reliability: integrity, untrusted pickles, killed saves, the resume policy, divergence, rollout adapter versions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rewrite_manifest_entry(path: str, rel: str) -> None:
+    """Make the COMPLETE manifest agree with a file replaced on purpose (an attacker controls the whole folder)."""
+    marker_path = os.path.join(path, "COMPLETE")
+    marker = json.load(open(marker_path))
+    full = os.path.join(path, rel)
+    marker["files"][rel] = {"size": os.path.getsize(full), "sha256": T.sha256_file(full)}
+    json.dump(marker, open(marker_path, "w"))
+
+
+class _CreatesAFile:
+    """A pickle payload: unpickling it calls open(path, "w"), i.e. runs code of the file's author."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_malicious_pickle_in_a_checkpoint_is_refused_and_never_runs(trained_checkpoint, tmp_path):
+    root, *_ = trained_checkpoint
+    path = T.find_latest(root)
+    evidence = str(tmp_path / "payload_ran")
+    torch.save({"state": {"x": _CreatesAFile(evidence)}, "param_groups": []}, os.path.join(path, "optimizer.pt"))
+    _rewrite_manifest_entry(path, "optimizer.pt")  # integrity alone cannot catch it: the manifest matches
+    T.verify_checkpoint(path)
+    model, _, opt, _, sampler = _fresh_run(lora_seed=1)
+    with pytest.raises(T.CheckpointError, match=r"optimizer\.pt holds pickled objects.*weights_only"):
+        _load(path, model, opt, sampler)
+    assert not os.path.exists(evidence)  # the payload did not run
+    torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)  # control: a plain unpickle runs it
+    assert os.path.exists(evidence)
+
+
+def test_same_size_corruption_is_caught_and_names_the_previous_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    data = torch.randn(12, 5, 4)
+    model, cfg, opt, stepper, sampler = _fresh_run(lora_seed=1)
+    root = str(tmp_path / "checkpoints")
+    for step in (1, 2):
+        _train_step(model, opt, stepper, sampler, data)
+        _save(root, step * 2, model, cfg, opt, stepper, sampler)
+    newest = os.path.join(root, "step_00000004")
+    weights = os.path.join(newest, "adapters", "default", "adapter_model.safetensors")
+    with open(weights, "r+b") as f:  # one flipped byte in the tensor data: same size, still a valid file
+        f.seek(os.path.getsize(weights) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    # without the sha256 check this loads silently (sizes match, the adapter parses): the fault the manifest catches
+    other, _, other_opt, _, _ = _fresh_run(lora_seed=2)
+    T.load_checkpoint(newest, transformer=other, optimizer=other_opt, config=CONFIG, adapter_names=("default", "old"),
+                      verify_sha256=False)
+    with pytest.raises(T.CheckpointError) as e:
+        T.prepare_resume("auto", root, CONFIG, adapter_names=("default", "old"))
+    previous = os.path.join(root, "step_00000002")
+    msg = str(e.value)
+    assert "step_00000004 is corrupt" in msg and "adapter_model.safetensors" in msg and "sha256" in msg
+    assert f"--resume {previous}" in msg
+    # following the advice: the corrupt newest is moved aside (kept), the run continues from step 2
+    plan = T.prepare_resume(previous, root, CONFIG, adapter_names=("default", "old"))
+    assert (plan.path, plan.step, plan.purge_step) == (previous, 2, 3)
+    moved = [m for m in plan.messages if "step_00000004" in m]
+    assert moved and os.path.isdir(os.path.join(moved[0].split(" aside to ")[1], "step_00000004"))
+    assert T.find_latest(root) == previous
+
+
+_KILLED_SAVE = r"""
+import os, sys, time
+import torch
+import training as T
+from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer
+
+root, phase = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = TinyFlowTransformer()
+cfg = T.add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0, adapter_names=("default",),
+                          block_prefixes=BLOCK_PREFIXES)
+opt = T.build_optimizer(model, lr=1e-2)
+save = lambda step: T.save_checkpoint(root, step, transformer=model, optimizer=opt, lora_config=cfg,
+                                      config={"lr": 1e-2})
+if phase == "new":  # killed while writing optimizer.pt of a new step
+    save(1)
+    real = torch.save
+    def hang(obj, f, *a, **k):
+        if str(f).endswith("optimizer.pt"):
+            open(f, "wb").write(b"partial")
+            print("killing time", flush=True)
+            time.sleep(600)
+        return real(obj, f, *a, **k)
+    torch.save = hang
+    save(2)
+else:  # a re-save of step 1 killed between moving the old copy out and moving the new one in
+    real = os.rename
+    def hang(src, dst):
+        real(src, dst)
+        if os.path.basename(dst).startswith(".trash-"):
+            print("killing time", flush=True)
+            time.sleep(600)
+    os.rename = hang
+    save(1)
+"""
+
+
+def _run_until_killed(root: str, phase: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, root, phase], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout.readline().strip() == "killing time"
+        proc.kill()  # SIGKILL: no cleanup of any kind runs
+    finally:
+        proc.wait(timeout=60)
+
+
+def test_a_killed_save_leaves_the_newest_checkpoint_and_start_up_tidies(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    _run_until_killed(root, "new")
+    assert [n for n in os.listdir(root) if n.startswith(".tmp-step_00000002")]
+    assert T.find_latest(root).endswith("step_00000001")
+    _run_until_killed(root, "resave")
+    assert not os.path.exists(os.path.join(root, "step_00000001"))  # mid-swap: only the .trash- copy holds it
+    assert [n for n in os.listdir(root) if n.startswith(".trash-step_00000001")]
+    plan = T.prepare_resume("auto", root, {"lr": 1e-2})
+    text = "\n".join(plan.messages)
+    assert "removed" in text and ".tmp-step_00000002" in text and "restored" in text
+    assert plan.path == os.path.join(root, "step_00000001") and plan.step == 1
+    assert sorted(os.listdir(root)) == ["step_00000001"]  # temp folders gone, the newest checkpoint back
+    T.verify_checkpoint(plan.path)
+
+
+def test_every_trainer_flag_has_a_resume_class():
+    """A new flag must be classified (blocking / logged / path) in training/checkpoint.py's resume policy."""
+    import train_dppo
+    import train_nft
+
+    flags = set()
+    for trainer in (train_nft, train_dppo):
+        flags |= set(vars(trainer.parse_args(["--model_path", "m", "--train_files", "t"])))
+    classes = (T.RESUME_BLOCKING, T.RESUME_LOGGED, set(T.RESUME_PATHS))
+    unclassified = sorted(f for f in flags if not any(f in c for c in classes))
+    assert not unclassified, f"classify in training/checkpoint.py (RESUME_BLOCKING / LOGGED / PATHS): {unclassified}"
+    assert not (T.RESUME_BLOCKING & T.RESUME_LOGGED)
+    assert not set(T.RESUME_PATHS) & (T.RESUME_BLOCKING | T.RESUME_LOGGED)
+    assert not sorted(set().union(*classes) - flags), "classified names that are no flag of either trainer"
+
+
+def test_resume_policy_moved_paths_operational_flags_and_changed_content(tmp_path):
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"rows" * 1000)
+    model_dir = tmp_path / "model"
+    (model_dir / "transformer").mkdir(parents=True)
+    (model_dir / "transformer" / "config.json").write_text('{"num_layers": 2}')
+    weights = model_dir / "transformer" / "weights.safetensors"
+    weights.write_bytes(bytes(range(256)) * (12 << 10))  # 3 MiB: fingerprinted by its first and last MiB
+    flags = dict(lr=1e-2, seed=0, train_files=str(data), model_path=str(model_dir), genrm_url="http://a:1",
+                 rollout_max_batch_size=16, total_training_steps=5)
+
+    def config(**changes):
+        merged = {**flags, **changes}
+        return {**merged, **T.content_fingerprints(merged)}
+
+    model, cfg, opt, stepper, sampler = _fresh_run(lora_seed=1)
+    root = str(tmp_path / "run" / "checkpoints")
+    _save(root, 1, model, cfg, opt, stepper, sampler, config=config())
+    # the run folder moved (same bytes elsewhere) and operational flags changed: allowed, each change printed
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(model_dir, moved / "model")
+    shutil.copy(data, moved / "train.parquet")
+    plan = T.prepare_resume("auto", root, config(train_files=str(moved / "train.parquet"),
+                                                 model_path=str(moved / "model"), genrm_url="http://b:2",
+                                                 rollout_max_batch_size=4, total_training_steps=9),
+                            adapter_names=("default", "old"))
+    text = "\n".join(plan.messages)
+    assert plan.step == 1 and "operational" in text
+    for key in ("genrm_url", "rollout_max_batch_size", "total_training_steps", "train_files", "model_path"):
+        assert f"\n  {key}:" in text, key
+    # different data under the same name (same size) or another model's weights: refused, naming the content key
+    data.write_bytes(b"ROWS" * 1000)
+    with pytest.raises(T.CheckpointError, match=r"train_files@content: checkpoint='sha256:"):
+        T.prepare_resume("auto", root, config(), adapter_names=("default", "old"))
+    data.write_bytes(b"rows" * 1000)
+    with open(weights, "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"x" * 10)
+    with pytest.raises(T.CheckpointError, match=r"model_path@content"):
+        T.prepare_resume("auto", root, config(), adapter_names=("default", "old"))
+    # a blocking flag: refused with the fix named; --resume_force turns it into a warning naming the key
+    with pytest.raises(T.CheckpointError, match=r"lr: checkpoint=0\.01 now=0\.1[\s\S]*--resume_force"):
+        T.prepare_resume("auto", root, config(lr=0.1, model_path=str(moved / "model")),
+                         adapter_names=("default", "old"))
+    plan = T.prepare_resume("auto", root, config(lr=0.1, model_path=str(moved / "model")),
+                            adapter_names=("default", "old"), force=True)
+    assert any(m.startswith("WARNING --resume_force") and "lr: checkpoint=0.01 now=0.1" in m for m in plan.messages)
+
+
+def test_resume_never_moves_earlier_checkpoints_and_logs_aside(trained_checkpoint, tmp_path):
+    root, *_ = trained_checkpoint
+    tensorboard = os.path.join(os.path.dirname(root), "tensorboard")
+    os.makedirs(tensorboard)
+    plan = T.prepare_resume("never", root, CONFIG, set_aside_with_checkpoints=(tensorboard,))
+    assert plan.path is None and plan.step == 0 and plan.purge_step == 0
+    dest = plan.messages[-1].split(" aside to ")[1].split(" (")[0]
+    assert os.path.isdir(os.path.join(dest, os.path.basename(root), "step_00000003"))
+    assert os.path.isdir(os.path.join(dest, "tensorboard")) and not os.path.exists(root)
+    assert T.prepare_resume("never", root, CONFIG).messages == ()  # nothing left to move
+
+
+def test_nonfinite_loss_gradient_or_update_skips_the_step_and_undoes_it():
+    import losses
+
+    model, _ = make_model()
+    opt = T.build_optimizer(model, lr=1e-2)
+    stepper = T.GradStepper(max_grad_norm=1.0)
+    x = torch.randn(2, 5, 4)
+    model(x).pow(2).mean().backward()
+    assert stepper.step(opt)["actor/step_skipped"] == 0.0  # AdamW state exists from here on
+
+    def snapshot():
+        state = {n: {k: T._full(v).clone() for k, v in opt.state[p].items()} for n, p in T.adapter_params(model)}
+        return full_params(model, "default"), state
+
+    def unchanged(before):
+        params, state = snapshot()
+        return (all(torch.equal(params[k], before[0][k]) for k in params)
+                and all(torch.equal(state[n][k], before[1][n][k]) for n in state for k in state[n]))
+
+    before = snapshot()
+    # 1. a non-finite loss: returned with its metrics, back-propagated, the step skipped
+    v = model(x)
+    finite_keys = set(losses.diffusion_nft_loss(v, v.detach(), x, x, torch.full((2,), 0.5), torch.full((2,), 0.5),
+                                                mix_beta=0.1, adv_clip_max=1.0)[1])
+    loss, metrics = stepper.checked_loss(losses.diffusion_nft_loss, v, v.detach() * float("nan"), x, x,
+                                         torch.full((2,), 0.5), torch.full((2,), 0.5), mix_beta=0.1, adv_clip_max=1.0)
+    assert not math.isfinite(loss.item()) and set(metrics) == finite_keys
+    loss.backward()
+    m = stepper.step(opt)
+    assert m["actor/step_skipped"] == 1.0 and m["actor/consecutive_skips"] == 1.0
+    assert "non-finite loss" in stepper.last_skip_reason and "old_prediction" in stepper.last_skip_reason
+    assert unchanged(before)
+    # a bad argument is still an error (never taken for a non-finite loss)
+    with pytest.raises(ValueError, match="mix_beta"):
+        stepper.checked_loss(losses.diffusion_nft_loss, v, v, x, x, torch.full((2,), 0.5), torch.full((2,), 0.5),
+                             mix_beta=0.0, adv_clip_max=1.0)
+    # 2. finite loss and gradient, but the update makes the weights non-finite (lr = inf): undone exactly
+    opt.param_groups[0]["lr"] = float("inf")
+    model(x).pow(2).mean().backward()
+    m = stepper.step(opt)
+    assert m["actor/step_skipped"] == 1.0 and "undone" in stepper.last_skip_reason
+    assert unchanged(before) and stepper.consecutive_skips == 2
+    # 3. an applied step ends the streak; the counters ride in the checkpoint's trainer state
+    opt.param_groups[0]["lr"] = 1e-2
+    model(x).pow(2).mean().backward()
+    assert stepper.step(opt)["actor/step_skipped"] == 0.0 and not unchanged(before)
+    restored = T.GradStepper()
+    restored.load_state_dict(json.loads(json.dumps(stepper.state_dict())))
+    assert (restored.skipped_steps, restored.consecutive_skips, restored.applied_steps) == (2, 0, 2)
+    # 4. the very first update undone: the optimizer is back to "never stepped"
+    fresh_opt = T.build_optimizer(model, lr=float("inf"))
+    model(x).pow(2).mean().backward()
+    assert T.GradStepper().step(fresh_opt)["actor/step_skipped"] == 1.0 and not fresh_opt.state
+
+
+def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path):
+    model, cfg, opt, stepper, sampler = _fresh_run(lora_seed=1)
+    root = str(tmp_path / "ckpt")
+    _save(root, 1, model, cfg, opt, stepper, sampler)
+    with torch.no_grad():
+        T.adapter_params(model, "default")[0][1].to_local().fill_(float("nan"))  # a DTensor shard (make_model shards)
+    with pytest.raises(T.CheckpointError, match="NaN/inf"):
+        _save(root, 2, model, cfg, opt, stepper, sampler)
+    assert sorted(os.listdir(root)) == ["step_00000001"]
+
+
+def test_rollout_adapter_versions_of_earlier_runs_never_remove_the_current_one(tmp_path):
+    root = tmp_path / "rollout_adapters"
+    for name in ("v00000002", "v00000003", "v00000006", ".v00000004.tmp.abc"):
+        (root / name).mkdir(parents=True)
+    line = T.clean_rollout_adapters(str(root))
+    assert "v00000002..v00000006" in line and "4 entries" in line and not os.listdir(root)
+    assert T.clean_rollout_adapters(str(root)) is None
+    # a version published below leftovers of an earlier run (a resume from an earlier step)
+    for name in ("v00000003", "v00000004", "v00000005", "v00000009", "v00000010"):
+        (root / name).mkdir()
+    assert T.prune_rollout_adapters(str(root), 5, keep=2) == ["v00000003", "v00000009", "v00000010"]
+    assert sorted(os.listdir(root)) == ["v00000004", "v00000005"]  # the new one and the one the workers hold
+
+
+def test_stop_signals_first_asks_repeat_within_3s_is_the_same_request():
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = T.StopSignals(announce=False).install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGINT)  # torchrun's forwarded copy: no effect, the process lives on
+        assert stop.signum == signal.SIGTERM
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -709,6 +1037,8 @@ def test_fsdp2_lora_two_ranks(tmp_path):
         assert r["old_equals_default"] and r["old_restored"]
         assert r["resume_loss_equal"] and r["resume_params_equal"] and r["resume_step"] == 2
         assert r["refresh"]["old_policy/copy_update"] == 1.0
+        # one rank's non-finite loss, then one rank's non-finite update: both ranks skip both, weights unchanged
+        assert r["skipped"] == [1.0, 1.0] and r["skips_left_params"] and "undone" in r["skip_reason"]
     # both ranks agree on every reduced metric, the global batches and the gathered adapter weights
     assert r0["steps"] == r1["steps"] and r0["batches"] == r1["batches"] and r0["default_sum"] == r1["default_sum"]
     assert r0["gathered"] == r1["gathered"] == [0.0, 0.0, 1.0, 1.0]  # all_gather_cat, rank order

@@ -9,17 +9,20 @@ One module per section, read in this order (`import training as T` gives every p
    names stay unchanged), FSDP2 `fully_shard` per transformer block + the root with a `MixedPrecisionPolicy`, and
    the DTensor-aware gather / load of adapter tensors that checkpoints and rollout weight sync need.
 3. `optim.py`: AdamW over the "default" LoRA params (fused on CUDA), grad-norm clipping on FSDP2 DTensor grads, a
-   non-finite grad norm skips the step (counted, logged); the DiffusionNFT `old` adapter copy / EMA refresh.
+   non-finite loss, grad norm or updated parameter skips the step on every rank (undone, counted, logged); the
+   DiffusionNFT `old` adapter copy / EMA refresh.
 4. `data.py`: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per
    rank.
-5. `checkpoint.py`: atomic save (temp dir, marker written last, rename), `find_latest`, exact `load_checkpoint`
-   that refuses a different config (naming the differing keys) and a partial or corrupt checkpoint; the layout.
+5. `checkpoint.py`: atomic save (temp dir, sha256 manifest written last, rename), `find_latest`, exact
+   `load_checkpoint` (weights_only) that refuses a partial or corrupt checkpoint; the resume policy (which flags may
+   change, content fingerprints) and `prepare_resume` (model-free: orphans, --resume never, integrity); the layout.
 6. `logs.py`: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
    `critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata.
 7. `step.py`: the parts of an online RL step both trainers share: flags, rollout requests, rewards, global
    advantages, validation, the adapter sync to the rollout workers (with its bound-module check).
 8. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
-   validate, checkpoint), so each trainer file holds only its algorithm.
+   validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
+   so each trainer file holds only its algorithm.
 """
 
 from __future__ import annotations

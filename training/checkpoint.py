@@ -1,14 +1,17 @@
-"""Checkpoints: atomic save (temp dir, marker written last, rename), `find_latest`, exact `load_checkpoint` that
-refuses a different config (naming the differing keys) and a partial or corrupt checkpoint.
+"""Checkpoints: atomic save (temp dir, a sha256 manifest written last, rename), `find_latest`, exact
+`load_checkpoint` (every file read with `torch.load(weights_only=True)`: a checkpoint never runs code), and the resume
+policy: which flags may change between a run and its resume, content fingerprints of the data and model folders, and
+`prepare_resume`, the model-free first look at `<output_dir>/checkpoints` (orphans of a killed save, `--resume
+never`, integrity, config) that a trainer runs before it loads anything.
 
 Checkpoint layout (``<root>/step_00000012/``)::
 
     adapters/default/{adapter_config.json, adapter_model.safetensors}   # diffusers `load_lora_weights` loads it
     adapters/old/...
     optimizer.pt        # full (unsharded) optimizer state, keyed by parameter name (`optimizer_full_state`)
-    rng.pt              # python / numpy / torch CPU / CUDA RNG states, one entry per rank
-    trainer_state.json  # step, sampler cursor, config fingerprint + fingerprinted values, versions, trainer extras
-    COMPLETE            # written last (JSON: step, file sizes); a directory without it is never loaded
+    rng.pt              # python / numpy / torch CPU / CUDA RNG states, one entry per rank (tensors, ints, lists)
+    trainer_state.json  # step, sampler cursor, config fingerprint + fingerprinted and logged values, versions, extras
+    COMPLETE            # written last (JSON: format, step, size and sha256 of every other file)
 
 Rank 0 writes every file (state is gathered to it first); EVERY rank reads the checkpoint on load, so the checkpoint
 directory must be visible to all ranks (a shared filesystem, as for any multi-node torchrun job). The optimizer state
@@ -23,13 +26,16 @@ import datetime
 import hashlib
 import json
 import os
+import pickle
 import platform
 import random
 import re
 import shutil
 import uuid
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -42,8 +48,11 @@ from .model import ADAPTER_DEFAULT, _full, adapter_state_dict, load_adapter_stat
 from .data import PromptSampler
 
 __all__ = [
-    "CheckpointError", "read_adapter_dir", "MARKER", "RESUME_MUTABLE_KEYS", "config_fingerprint", "library_versions",
-    "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint", "find_latest", "load_checkpoint"
+    "CheckpointError", "read_adapter_dir", "MARKER", "CHECKPOINT_FORMAT", "RESUME_BLOCKING", "RESUME_LOGGED",
+    "RESUME_PATHS", "RESUME_MUTABLE_KEYS", "config_fingerprint", "content_fingerprints", "path_fingerprint",
+    "sha256_file", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
+    "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config", "ResumePlan", "prepare_resume",
+    "load_checkpoint",
 ]
 
 
@@ -63,12 +72,60 @@ def read_adapter_dir(path: str) -> dict[str, torch.Tensor]:
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
-# Flags that may change between a run and its resume (everything else is fingerprinted; new flags are protected).
-# Only bookkeeping / I/O flags: anything that can change a sampled number stays fingerprinted.
-RESUME_MUTABLE_KEYS: tuple[str, ...] = (
-    "resume", "total_training_steps", "save_freq", "keep_last", "test_freq", "val_before_train", "num_val_images",
-    "log_every", "output_dir", "val_max_samples", "rollout_timeout_s", "rollout_threads",
-)
+CHECKPOINT_FORMAT = 2  # 2: sha256 per file in the manifest, weights_only-loadable rng.pt (1: sizes only, numpy pickles)
+
+# The resume policy: every flag of the trainers is in exactly one of these (tests/test_training.py fails on a new
+# flag that is not). BLOCKING flags change the objective, the sampled numbers or the data order: a resume with a
+# different value is refused (--resume_force overrides, with a warning naming them). LOGGED flags are operational
+# (where things run, how fast, how long, what is logged or validated): a change is allowed and printed. PATHS are
+# logged as strings (a moved run folder still resumes); what they point to is fingerprinted instead
+# (`content_fingerprints`, key "<flag>@content"), blocking where True (val_files only steer validation).
+RESUME_BLOCKING: frozenset[str] = frozenset({
+    # model, LoRA, optimizer
+    "device", "precision", "max_sequence_length", "lora_rank", "lora_alpha", "lora_target_modules",
+    "lora_init_weights", "lr", "weight_decay", "adam_betas", "max_grad_norm",
+    # data order and batching
+    "seed", "train_batch_size", "rollout_n", "ppo_mini_batch_size", "ppo_epochs",
+    # rollout sampling
+    "rollout_engine", "rollout_dtype", "height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale",
+    # rewards
+    "ocr_backend", "genrm_model", "genrm_temperature", "genrm_top_p", "genrm_max_tokens", "genrm_seed",
+    "rapidocr_det_limit_side_len", "reward_weights",
+    # DiffusionNFT
+    "mix_beta", "adv_clip_max", "ref_kl_coef", "adaptive_weight_min", "adv_mode", "timestep_fraction",
+    "timestep_shuffle_seed", "old_policy_decay_schedule", "old_policy_decay", "old_policy_update_interval",
+    "global_std", "norm_adv_by_std",
+    # Flow-DPPO / Flow-GRPO
+    "loss", "noise_level", "sde_type", "sde_window_size", "sde_window_range", "kl_mask_threshold",
+    "add_kl_coefficient", "clip_ratio",
+    # lr schedule; what the training forwards and the old log-probs are (they change the update)
+    "lr_scheduler", "lr_warmup_steps", "min_lr_ratio", "train_cfg", "old_log_probs",
+})
+RESUME_LOGGED: frozenset[str] = frozenset({
+    # run length, checkpoints, logging, stops
+    "resume", "resume_force", "total_training_steps", "save_freq", "keep_last", "log_every", "output_dir",
+    "max_consecutive_skips", "max_wall_time_s", "stop_save_budget_s",
+    # validation only (never touches the training batches or the trainer RNG)
+    "test_freq", "val_before_train", "num_val_images", "val_max_samples", "val_num_inference_steps", "val_seed",
+    # where and how fast things run (same objective; float rounding and NFT's noise draws per micro-batch may differ)
+    "micro_batch_size", "activation_checkpointing", "cfg_batch", "rollout_devices", "rollout_max_batch_size",
+    "rollout_timeout_s", "rollout_threads",
+    "base_weights_dtype", "activation_checkpointing_blocks", "rollout_python",
+    # only read at step 0 (a resume restores the adapters) / only steer validation
+    "init_adapter", "val_adapter",
+    # the reward servers and devices
+    "genrm_url", "genrm_device", "genrm_batch_size", "genrm_concurrency", "genrm_timeout_s", "genrm_max_retries",
+    "genrm_backoff_s", "rapidocr_threads", "rapidocr_workers", "pickscore_device", "pickscore_cache_dir", "pickscore_batch_size",
+})
+RESUME_PATHS: dict[str, bool] = {
+    "model_path": True, "train_files": True, "val_files": False, "genrm_model_path": True, "pickscore_path": True,
+    "pickscore_processor_path": True,
+}
+CONTENT = "@content"
+# Keys left out of the config fingerprint (the default `ignore` of save / load); everything else, including any key
+# that is not classified above, is fingerprinted (fail closed).
+RESUME_MUTABLE_KEYS: tuple[str, ...] = tuple(sorted(
+    RESUME_LOGGED | set(RESUME_PATHS) | {flag + CONTENT for flag, blocks in RESUME_PATHS.items() if not blocks}))
 
 
 def config_fingerprint(config: Mapping[str, Any], ignore: Iterable[str] = RESUME_MUTABLE_KEYS) -> tuple[str, dict[str, Any]]:
@@ -78,6 +135,73 @@ def config_fingerprint(config: Mapping[str, Any], ignore: Iterable[str] = RESUME
     values = json.loads(json.dumps(values, sort_keys=True, default=str))
     digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode("utf-8")).hexdigest()
     return digest, values
+
+
+def _logged_values(config: Mapping[str, Any], ignore: Iterable[str]) -> dict[str, Any]:
+    ignore = set(ignore)
+    values = {k: config[k] for k in sorted(config) if k in ignore}
+    return json.loads(json.dumps(values, sort_keys=True, default=str))
+
+
+_HASH_CHUNK = 8 << 20
+_SAMPLE = 1 << 20
+
+
+def sha256_file(path: str) -> str:
+    """sha256 hex of a file, read in 8 MiB chunks (hashlib releases the GIL: `_hash_files` runs files in parallel)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_HASH_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _hash_files(root: str, rel_paths: Sequence[str]) -> dict[str, str]:
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(rel_paths)))) as pool:
+        return dict(zip(rel_paths, pool.map(lambda rel: sha256_file(os.path.join(root, rel)), rel_paths)))
+
+
+def _dir_fingerprint(path: str) -> str:
+    """One sha256 over a model folder: every file's relative path and size, the full bytes of files up to 1 MiB
+    (configs, tokenizers) and the first and last MiB of larger ones (weights: a different checkpoint differs in its
+    header and tensors there; hashing 40 GB at every start would cost minutes). Hidden entries are skipped."""
+    digest = hashlib.sha256()
+    for dirpath, dirnames, files in os.walk(path, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(f for f in files if not f.startswith(".")):
+            full = os.path.join(dirpath, name)
+            size = os.path.getsize(full)
+            digest.update(f"{os.path.relpath(full, path)}\0{size}\0".encode())
+            with open(full, "rb") as f:
+                if size <= 2 * _SAMPLE:
+                    digest.update(f.read())
+                else:
+                    digest.update(f.read(_SAMPLE))
+                    f.seek(size - _SAMPLE)
+                    digest.update(f.read(_SAMPLE))
+    return digest.hexdigest()
+
+
+def path_fingerprint(path: str | None) -> str | None:
+    """What a path flag points to: "sha256:<hex>" of a file's bytes, "dir:<hex>" of a folder (`_dir_fingerprint`),
+    or the string itself when it is not a local path (a Hub id); None stays None."""
+    if path is None:
+        return None
+    local = os.path.expanduser(str(path))
+    if os.path.isfile(local):
+        return "sha256:" + sha256_file(local)
+    if os.path.isdir(local):
+        return "dir:" + _dir_fingerprint(local)
+    return f"not a local path: {path}"
+
+
+def content_fingerprints(config: Mapping[str, Any]) -> dict[str, str | None]:
+    """{"<flag>@content": path_fingerprint(value)} for every path flag in `config` (`RESUME_PATHS`), so a resume
+    checks the data and the models themselves rather than where they live. Model-free; the train parquet is hashed
+    in full, model folders as `_dir_fingerprint` says."""
+    return {flag + CONTENT: path_fingerprint(config[flag]) for flag in RESUME_PATHS if flag in config}
 
 
 def library_versions() -> dict[str, str]:
@@ -93,15 +217,23 @@ def library_versions() -> dict[str, str]:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This rank's RNG states as tensors, ints, floats, strings and tuples only (what `weights_only=True` loads)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {"python": random.getstate(),
+             "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()  # the current device's generator
     return state
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         if not torch.cuda.is_available():
@@ -163,7 +295,8 @@ def optimizer_full_state(transformer: nn.Module, optimizer: torch.optim.Optimize
 
 def load_optimizer_full_state_(transformer: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
     """Inverse of `optimizer_full_state`: shard the saved tensors like their parameters and load them (no
-    communication; every rank holds `saved`). The parameter names per group must match exactly."""
+    communication; every rank holds `saved`). The parameter names per group must match exactly; the groups'
+    hyper-parameters stay those of `optimizer` (this run's flags)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     names = {id(p): n for n, p in transformer.named_parameters()}
@@ -186,9 +319,21 @@ def load_optimizer_full_state_(transformer: nn.Module, optimizer: torch.optim.Op
                 state[index] = entry
             ids.append(index)
             index += 1
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+        # hyper-parameters (lr, betas, weight decay) come from this run's flags: equal to the saved ones on a plain
+        # resume, and a change accepted with --resume_force (e.g. a lower --lr after a divergence) takes effect
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     optimizer.state.clear()
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _nonfinite_report(adapters: Mapping[str, Mapping[str, torch.Tensor]], optim_state: Mapping[str, Any]) -> list[str]:
+    """Names of the tensors about to be saved that hold NaN/inf (empty on the happy path)."""
+    bad = [f"adapter {name}: {key}" for name, tensors in adapters.items() for key, t in tensors.items()
+           if not bool(torch.isfinite(t).all())]
+    for pname, entry in optim_state["state"].items():
+        bad += [f"optimizer {pname}.{k}" for k, v in entry.items()
+                if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    return bad
 
 
 def save_checkpoint(
@@ -207,10 +352,11 @@ def save_checkpoint(
 ) -> str:
     """Save everything needed to resume at `step` to `<root>/step_XXXXXXXX`; return that path. Collective.
 
-    All ranks gather (adapter tensors, optimizer state, per-rank RNG); rank 0 writes into a temp directory, fsyncs,
-    writes the COMPLETE marker last and renames the directory into place, so `<root>` never holds a half-written
-    step directory. trainer_state: JSON-able extras (e.g. GradStepper.state_dict(), counters). keep_last: delete
-    older complete checkpoints beyond this many.
+    All ranks gather (adapter tensors, optimizer state, per-rank RNG); rank 0 refuses non-finite weights or
+    optimizer state (CheckpointError: a checkpoint is never poisoned), writes into a temp directory, fsyncs, writes
+    the COMPLETE manifest (size + sha256 per file) last and renames the directory into place, so `<root>` never
+    holds a half-written step directory. trainer_state: JSON-able extras (e.g. GradStepper.state_dict()).
+    keep_last: delete older complete checkpoints beyond this many, only after the new one is in place.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -233,14 +379,20 @@ def save_checkpoint(
             "sampler": sampler.state_dict() if sampler is not None else None,
             "config_fingerprint": digest,
             "fingerprinted_config": values,
+            "logged_config": _logged_values(config, fingerprint_ignore),
             "versions": library_versions(),
             "trainer_state": dict(trainer_state or {}),
             "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         }
         try:
+            bad = _nonfinite_report(adapters, optim_state)
+            if bad:
+                raise CheckpointError(
+                    f"refusing to write checkpoint {final}: {len(bad)} tensors hold NaN/inf (e.g. {bad[:3]}); the "
+                    f"earlier checkpoints under {root} are left as they are")
             _write_checkpoint_dir(root, final, state, adapters, lora_config, optim_state, rng_states)
             if keep_last is not None and keep_last > 0:
-                for old_step in _complete_steps(root)[:-keep_last]:
+                for old_step in [s for s in _complete_steps(root) if s != step][:-(keep_last - 1) or None]:
                     shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
         except BaseException as e:  # noqa: BLE001 - re-raised below on every rank
             error = e
@@ -263,9 +415,16 @@ def _raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
         raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
+def _manifest(root: str, step: int) -> dict[str, Any]:
+    sizes = _file_sizes(root)
+    hashes = _hash_files(root, list(sizes))
+    return {"format": CHECKPOINT_FORMAT, "step": int(step),
+            "files": {rel: {"size": size, "sha256": hashes[rel]} for rel, size in sizes.items()}}
+
+
 def _write_checkpoint_dir(root: str, final: str, state: dict[str, Any], adapters: Mapping[str, Mapping[str, torch.Tensor]],
                           lora_config, optim_state: Any, rng_states: list[Any]) -> None:
-    """Rank 0: write everything into a temp dir, fsync, marker last, rename into place (temp removed on error)."""
+    """Rank 0: write everything into a temp dir, fsync, manifest last, rename into place (temp removed on error)."""
     os.makedirs(root, exist_ok=True)
     tmp = os.path.join(root, f".tmp-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
     os.makedirs(tmp)
@@ -280,13 +439,14 @@ def _write_checkpoint_dir(root: str, final: str, state: dict[str, Any], adapters
             for fname in files:
                 with open(os.path.join(dirpath, fname), "rb") as fh:
                     os.fsync(fh.fileno())
-        marker = {"step": state["step"], "files": _file_sizes(tmp)}  # sizes of everything but the marker itself
+        marker = _manifest(tmp, state["step"])  # sizes + sha256 of everything but the marker itself
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump(marker, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving a step: swap, then delete the previous copy
+        if os.path.exists(final):  # re-saving a step: swap, then delete the previous copy (`clean_orphans` puts a
+            # `.trash-` copy back if a kill lands between the two renames)
             trash = os.path.join(root, f".trash-{os.path.basename(final)}-{uuid.uuid4().hex[:8]}")
             os.rename(final, trash)
             os.rename(tmp, final)
@@ -299,13 +459,15 @@ def _write_checkpoint_dir(root: str, final: str, state: dict[str, Any], adapters
         raise
 
 
+def _step_dirs(root: str) -> dict[int, str]:
+    """{step: name} of every `step_XXXXXXXX` directory under `root`, complete or not."""
+    if not os.path.isdir(root):
+        return {}
+    return {int(m.group(1)): name for name in os.listdir(root) if (m := _STEP_DIR.match(name))}
+
+
 def _complete_steps(root: str) -> list[int]:
-    steps = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, MARKER)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(step for step, name in _step_dirs(root).items() if os.path.isfile(os.path.join(root, name, MARKER)))
 
 
 def find_latest(root: str) -> str | None:
@@ -324,12 +486,14 @@ def find_latest(root: str) -> str | None:
     if names and not complete:
         raise CheckpointError(
             f"{root} holds checkpoint directories {incomplete} but none is complete (no {MARKER} marker); refusing to "
-            f"start fresh. Remove them or pass another --output_dir to start a new run."
+            f"start fresh. Remove them, or pass --resume never (they are moved aside) or another --output_dir."
         )
     return os.path.join(root, f"step_{complete[-1]:08d}") if complete else None
 
 
-def _verify_complete(path: str) -> dict[str, Any]:
+def verify_checkpoint(path: str, *, sha256: bool = True) -> dict[str, Any]:
+    """The COMPLETE manifest of `path` after checking it: the marker exists and is this format, the file set and
+    sizes match, and (sha256=True) every file's sha256 matches. Raises CheckpointError naming the files."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     marker_path = os.path.join(path, MARKER)
@@ -340,14 +504,240 @@ def _verify_complete(path: str) -> dict[str, Any]:
             marker = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: unreadable {MARKER} marker ({e}); the checkpoint is corrupt") from e
+    if not isinstance(marker, dict) or marker.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} has format {marker.get('format', 1) if isinstance(marker, dict) else '?'}, this code "
+            f"reads format {CHECKPOINT_FORMAT} (sha256 manifest, weights_only-loadable files); a checkpoint from an "
+            f"older flowrl cannot be verified or loaded safely: start a new run (--resume never)")
+    expected = {rel: entry["size"] for rel, entry in marker["files"].items()}
     actual = {k: v for k, v in _file_sizes(path).items() if k != MARKER}
-    expected = marker.get("files", {})
     if actual != expected:
         diff = sorted(k for k in set(actual) | set(expected) if actual.get(k) != expected.get(k))
         raise CheckpointError(
             f"checkpoint {path} is corrupt: files differ from the {MARKER} manifest (missing, truncated or extra): {diff}"
         )
+    if sha256:
+        hashes = _hash_files(path, sorted(expected))
+        wrong = sorted(rel for rel, h in hashes.items() if h != marker["files"][rel]["sha256"])
+        if wrong:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {wrong} do not match the sha256 in its {MARKER} manifest (same size, "
+                f"different bytes)")
     return marker
+
+
+def clean_orphans(root: str) -> list[str]:
+    """Tidy `root` after a save that was killed; one message per action (rank 0, before anything reads `root`).
+
+    `.tmp-step_X-*` (killed before its rename: step_X was never complete) is removed. `.trash-step_X-*` (a re-save
+    of step_X killed after moving the old copy out) is renamed back to step_X when step_X is missing, else removed.
+    """
+    messages: list[str] = []
+    if not os.path.isdir(root):
+        return messages
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        if name.startswith(".tmp-step_"):
+            shutil.rmtree(full, ignore_errors=True)
+            messages.append(f"removed {full}: the temp folder of a checkpoint save that was killed")
+        elif m := re.match(r"^\.trash-(step_\d{8})-", name):
+            target = os.path.join(root, m.group(1))
+            if os.path.exists(target):
+                shutil.rmtree(full, ignore_errors=True)
+                messages.append(f"removed {full}: the old copy of {m.group(1)} left by a killed re-save")
+            else:
+                os.rename(full, target)
+                messages.append(f"restored {target} from {full} (a re-save of it was killed between its renames)")
+    return messages
+
+
+def _read_trainer_state(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read trainer_state.json ({e})") from e
+
+
+def _diff_lines(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    return [f"{k}: checkpoint={old.get(k, '<absent>')!r} now={new.get(k, '<absent>')!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k, "<absent>") != new.get(k, "<absent>")]
+
+
+def check_resume_config(path: str, state: Mapping[str, Any], config: Mapping[str, Any], *,
+                        adapter_names: Sequence[str] | None = None, force: bool = False,
+                        fingerprint_ignore: Iterable[str] = RESUME_MUTABLE_KEYS) -> list[str]:
+    """Compare this run's config with the checkpoint's trainer state; return the lines to print.
+
+    Raises CheckpointError for another world size or adapter set, and for different fingerprinted values (naming
+    each key with both values) unless `force`, which turns that into a warning line. Changed logged (operational)
+    values are reported, never refused.
+    """
+    if state.get("world_size") != get_world_size():
+        raise CheckpointError(
+            f"checkpoint {path} was written by {state.get('world_size')} ranks, this run has {get_world_size()}; exact "
+            f"resume (per-rank RNG, data shards) needs the same number of trainer processes")
+    if adapter_names is not None and list(state["adapters"]) != list(adapter_names):
+        raise CheckpointError(f"checkpoint {path} holds adapters {state['adapters']}, this run expects {list(adapter_names)}")
+    lines: list[str] = []
+    digest, values = config_fingerprint(config, fingerprint_ignore)
+    if digest != state["config_fingerprint"]:
+        diffs = _diff_lines(state["fingerprinted_config"], values)
+        if not force:
+            raise CheckpointError(
+                f"checkpoint {path} was written with a different config; refusing to resume. These flags change the "
+                f"objective, the sampled numbers or the data order (paths may move, but the content they point to "
+                f"must not change). Differing keys:\n  " + "\n  ".join(diffs) + "\nResume with the original values; "
+                "or pass --resume_force to continue anyway (the run is then no longer one experiment); or start a "
+                "new run with --resume never (the checkpoints are moved aside) or in a fresh --output_dir.")
+        lines.append(f"WARNING --resume_force: resuming {path} although these flags changed (the objective, the "
+                     f"sampled numbers or the data order differ from the run so far):\n  " + "\n  ".join(diffs))
+    logged = _diff_lines(state.get("logged_config", {}), _logged_values(config, fingerprint_ignore))
+    logged = [line for line in logged if not line.startswith(("resume:", "resume_force:"))]
+    if logged:
+        lines.append("changed since the checkpoint (operational flags and paths, allowed):\n  " + "\n  ".join(logged))
+    return lines
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What `prepare_resume` decided: the checkpoint to load (None: start at step 0), its step, and what it did or
+    found (orphans removed, checkpoints moved aside, changed flags) as lines for rank 0 to print."""
+
+    path: str | None
+    step: int
+    messages: tuple[str, ...] = ()
+
+    @property
+    def purge_step(self) -> int:
+        """TensorBoard `purge_step`: earlier events at steps >= this are dropped from view (a replayed step is not
+        shown twice; a fresh start hides a crashed attempt that never saved)."""
+        return self.step + 1 if self.path else 0
+
+
+def _set_aside(paths: Sequence[str], previous_root: str, label: str) -> str:
+    """Move `paths` (those that exist) into a new `<previous_root>/<UTC time>-<label>/`; return that folder."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = os.path.join(previous_root, f"{stamp}-{label}-{uuid.uuid4().hex[:4]}")
+    os.makedirs(dest)
+    for path in paths:
+        if os.path.lexists(path):
+            os.rename(path, os.path.join(dest, os.path.basename(path)))
+    return dest
+
+
+def _earlier_verified(path: str) -> str | None:
+    """The newest complete checkpoint older than `path` in the same folder whose sha256 manifest verifies."""
+    root, name = os.path.split(os.path.abspath(path))
+    m = _STEP_DIR.match(name)
+    below = int(m.group(1)) if m else None
+    for step in reversed(_complete_steps(root)):
+        if below is not None and step >= below:
+            continue
+        candidate = os.path.join(root, f"step_{step:08d}")
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    return None
+
+
+def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any], adapter_names: Sequence[str],
+                          force: bool, set_aside_with_checkpoints: Sequence[str], previous_root: str) -> ResumePlan:
+    messages = clean_orphans(ckpt_root)
+    existing = _step_dirs(ckpt_root)
+    if resume == "never":
+        if existing:
+            dest = _set_aside([ckpt_root, *set_aside_with_checkpoints], previous_root, "resume-never")
+            messages.append(
+                f"--resume never: {ckpt_root} held checkpoints (steps {sorted(existing)}); moved them and the earlier "
+                f"run's logs aside to {dest} (nothing deleted; remove that folder when it is no longer needed)")
+        return ResumePlan(None, 0, tuple(messages))
+    if resume == "auto":
+        path = find_latest(ckpt_root)
+        if path is None:
+            return ResumePlan(None, 0, tuple(messages))
+    else:
+        path = os.path.abspath(resume)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"--resume {resume}: no such checkpoint directory (complete checkpoints under "
+                                  f"{ckpt_root}: {[f'step_{s:08d}' for s in _complete_steps(ckpt_root)]})")
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as e:
+        earlier = _earlier_verified(path)
+        advice = (f"\nThe previous complete checkpoint {earlier} verifies: resume from it with --resume {earlier} "
+                  f"(the later ones are then moved aside, not deleted)." if earlier else
+                  "\nNo earlier complete checkpoint verifies; start a new run with --resume never (the checkpoints are "
+                  "moved aside, not deleted).")
+        raise CheckpointError(str(e) + advice) from None
+    state = _read_trainer_state(path)
+    step = int(state["step"])
+    messages += check_resume_config(path, state, config, adapter_names=adapter_names, force=force)
+    # <ckpt_root> keeps only the history being continued: later step folders (a run that went on past `step`, e.g.
+    # a corrupt newest one) would otherwise be picked by the next --resume auto or pushed out by keep_last
+    inside = os.path.realpath(os.path.dirname(path)) == os.path.realpath(ckpt_root)
+    later = sorted(name for s, name in existing.items() if not inside or s > step)
+    if later:
+        dest = _set_aside([os.path.join(ckpt_root, name) for name in later], previous_root, f"after-step-{step}")
+        messages.append(f"resuming from step {step}: moved the later checkpoint folders {later} (another history) "
+                        f"aside to {dest}")
+    return ResumePlan(path, step, tuple(messages))
+
+
+def prepare_resume(resume: str, ckpt_root: str, config: Mapping[str, Any], *,
+                   adapter_names: Sequence[str] = (ADAPTER_DEFAULT,), force: bool = False,
+                   set_aside_with_checkpoints: Sequence[str] = (), previous_root: str | None = None) -> ResumePlan:
+    """Decide `--resume` before any model is loaded. Collective: rank 0 inspects and tidies, every rank gets the
+    same plan or raises the same CheckpointError.
+
+    1. orphans of a killed save are removed or restored (`clean_orphans`);
+    2. 'never' with checkpoints present: `ckpt_root` and `set_aside_with_checkpoints` (TensorBoard, metadata) are
+       moved to `<previous_root>/<time>-resume-never/` (refusing would make re-running a recipe fail, deleting would
+       lose a run; moved aside, both stay and the new run's logs start clean);
+    3. 'auto' (newest complete) or a directory: every file's sha256 is checked; a corrupt checkpoint is an error that
+       names the previous one that verifies and the `--resume DIR` that uses it;
+    4. the config is checked (`check_resume_config`, `force` = --resume_force);
+    5. step folders after the resumed step (or all, when resuming from another folder) are moved aside.
+    """
+    previous_root = previous_root or os.path.join(os.path.dirname(os.path.abspath(ckpt_root)), "previous")
+    return _on_rank0(lambda: _prepare_resume_rank0(resume, ckpt_root, config, adapter_names, force,
+                                                   set_aside_with_checkpoints, previous_root))
+
+
+def _on_rank0(fn: Callable[[], Any], what: str = "") -> Any:
+    """`fn()` on rank 0 only, its result given to every rank (one broadcast). A CheckpointError or OSError there is
+    raised as a CheckpointError on every rank (prefixed by `what`), so no rank waits in a later collective."""
+    payload: tuple[str, Any] | None = None
+    if get_rank() == 0:
+        try:
+            payload = ("ok", fn())
+        except (CheckpointError, OSError) as e:
+            payload = ("error", what + (str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"))
+    if dist.is_initialized() and get_world_size() > 1:
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+    if payload[0] == "error":
+        raise CheckpointError(payload[1])
+    return payload[1]
+
+
+def _load_tensors(path: str, name: str) -> Any:
+    """`torch.load(weights_only=True)`: tensors, numbers, strings and containers only; a pickle that would build
+    any other object (run code) is refused with a CheckpointError naming the file."""
+    file = os.path.join(path, name)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint {path}: {name} holds pickled objects other than tensors and plain containers; refusing to "
+            f"unpickle it (weights_only=True: loading it could run arbitrary code). flowrl never writes such files: "
+            f"do not use this checkpoint unless you know where it came from ({first})") from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read {name} ({type(e).__name__}: {e}); it is corrupt") from e
 
 
 def load_checkpoint(
@@ -359,43 +749,36 @@ def load_checkpoint(
     sampler: PromptSampler | None = None,
     adapter_names: Sequence[str] = (ADAPTER_DEFAULT,),
     fingerprint_ignore: Iterable[str] = RESUME_MUTABLE_KEYS,
+    force: bool = False,
+    verify_sha256: bool = True,
 ) -> dict[str, Any]:
     """Restore adapters, optimizer, this rank's RNG states and the sampler cursor from `path`; return the saved
     trainer state dict ({"step", "trainer_state", ...}). Collective (every rank reads `path`).
 
-    Refuses (CheckpointError) a partial or corrupt checkpoint, another world size, or a config whose fingerprint
-    differs; the message names each differing key with both values. RNG states are restored last, so the next
-    random draw equals the uninterrupted run's.
+    Refuses (CheckpointError) a partial or corrupt checkpoint (sizes on every rank; sha256 on rank 0 when
+    `verify_sha256`, e.g. False after `prepare_resume` checked it), another world size, a config whose fingerprint
+    differs unless `force` (the message names each differing key with both values), and any file that
+    `torch.load(weights_only=True)` refuses. RNG states are restored last, so the next random draw equals the
+    uninterrupted run's.
     """
-    _verify_complete(path)
+    error: BaseException | None = None
     try:
-        with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: cannot read trainer_state.json ({e})") from e
-    digest, values = config_fingerprint(config, fingerprint_ignore)
-    if digest != state["config_fingerprint"]:
-        saved = state["fingerprinted_config"]
-        diffs = [f"{k}: checkpoint={saved.get(k, '<absent>')!r} now={values.get(k, '<absent>')!r}"
-                 for k in sorted(set(saved) | set(values)) if saved.get(k, "<absent>") != values.get(k, "<absent>")]
-        raise CheckpointError(
-            f"checkpoint {path} was written with a different config; refusing to resume. Differing keys:\n  "
-            + "\n  ".join(diffs) + "\nResume with the original flags, or start a new run in a fresh --output_dir."
-        )
-    if state["world_size"] != get_world_size():
-        raise CheckpointError(
-            f"checkpoint {path} was written by {state['world_size']} ranks, this run has {get_world_size()}; exact "
-            f"resume (per-rank RNG, data shards) needs the same number of trainer processes"
-        )
-    if list(state["adapters"]) != list(adapter_names):
-        raise CheckpointError(f"checkpoint {path} holds adapters {state['adapters']}, this run expects {list(adapter_names)}")
+        verify_checkpoint(path, sha256=verify_sha256 and get_rank() == 0)
+    except CheckpointError as e:
+        error = e
+    _raise_if_any_rank_failed(error, f"load_checkpoint({path})")
+    state = _read_trainer_state(path)
+    check_resume_config(path, state, config, adapter_names=adapter_names, force=force,
+                        fingerprint_ignore=fingerprint_ignore)
     for name in adapter_names:
         load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name)))
-    error, optim_state, rng_states = None, {}, []
+    optim_state, rng_states = {}, []
     try:
-        optim_state = torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=False)
-        rng_states = torch.load(os.path.join(path, "rng.pt"), map_location="cpu", weights_only=False)
+        optim_state = _load_tensors(path, "optimizer.pt")
+        rng_states = _load_tensors(path, "rng.pt")
         load_optimizer_full_state_(transformer, optimizer, optim_state)
+    except CheckpointError as e:
+        error = e
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         error = CheckpointError(f"checkpoint {path}: cannot restore optimizer.pt / rng.pt ({type(e).__name__}: {e})")
     _raise_if_any_rank_failed(error, f"load_checkpoint({path})")

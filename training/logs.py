@@ -38,13 +38,14 @@ __all__ = [
 class TensorBoardLogger:
     """TensorBoard writer that only writes on rank 0 (other ranks get a no-op object with the same methods)."""
 
-    def __init__(self, log_dir: str, *, enabled: bool | None = None) -> None:
+    def __init__(self, log_dir: str, *, enabled: bool | None = None, purge_step: int | None = None) -> None:
+        """purge_step: TensorBoard drops earlier events at steps >= this (a resumed run replays them)."""
         self.enabled = is_main_process() if enabled is None else enabled
         self.writer = None
         if self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir)
+            self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def log_scalars(self, metrics: Mapping[str, float], step: int) -> None:
         if self.writer is None:

@@ -1,13 +1,15 @@
 """Optimizer: AdamW over the trainable LoRA tensors, the learning-rate schedule (warm-up, then constant / linear /
-cosine; `torch.optim.lr_scheduler.LambdaLR`), grad-norm clipping on FSDP2 DTensor grads (a non-finite norm skips
-the step), and the DiffusionNFT `old` adapter copy / EMA refresh."""
+cosine; `torch.optim.lr_scheduler.LambdaLR`), grad-norm clipping on FSDP2 DTensor grads (a non-finite loss,
+grad norm or updated parameter skips the step on every rank), and the DiffusionNFT `old` adapter copy / EMA
+refresh."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 import torch
+import torch.distributed as dist
 from torch import nn
 import losses
 from models import lora
@@ -106,45 +108,147 @@ def load_lr_scheduler_state_(scheduler: torch.optim.lr_scheduler.LambdaLR, saved
     scheduler.load_state_dict(dict(saved["state"]))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly DTensor) tensor, sharing its storage (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _any_rank(flag: bool, param: torch.Tensor | None) -> bool:
+    """True when `flag` is True on any rank sharing `param`'s FSDP2 mesh (one all_reduce of one element, every such
+    rank calls it); a plain (rank-local) parameter needs no agreement."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor) or not dist.is_initialized():
+        return flag
+    mesh = param.device_mesh
+    group = mesh.get_group() if mesh.ndim == 1 else None
+    t = torch.tensor([1.0 if flag else 0.0], device=param.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
+
+
 @dataclass
 class GradStepper:
-    """Clip, check and apply one optimizer step; a non-finite total grad norm skips the step (grads zeroed).
+    """Clip, check and apply one optimizer step; a non-finite loss, gradient or updated parameter skips it.
 
-    `skipped_steps` counts skips over the whole run (restore it from the checkpoint's trainer state). The total norm
-    is computed by `torch.nn.utils.clip_grad_norm_`, which reduces FSDP2 DTensor grads across ranks (verified on
-    gloo/CPU against an unsharded model), so every rank takes the same skip decision.
+    Every rank takes the same decision: a non-finite loss on any rank (`checked_loss`, one all_reduce), a
+    non-finite total grad norm (`torch.nn.utils.clip_grad_norm_` reduces FSDP2 DTensor grads across ranks, verified
+    on gloo/CPU against an unsharded model), or a non-finite parameter / optimizer state after `optimizer.step()` on
+    any rank (one all_reduce) -> the step is skipped: grads dropped, and in the last case the update undone from a
+    copy of this rank's parameter and optimizer-state shards taken just before it (exact; costs one copy of the
+    LoRA parameters and AdamW moments per rank). `skipped_steps` counts skips over the whole run,
+    `consecutive_skips` the current streak (both restored from the checkpoint's trainer state), `last_skip_reason`
+    says why the latest one happened.
     """
 
     max_grad_norm: float = 1.0
     skipped_steps: int = 0
+    consecutive_skips: int = 0
+    applied_steps: int = 0
+    last_skip_reason: str = ""
+    _loss_problem: str = field(default="", repr=False)
+
+    def checked_loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]], *args: Any,
+                     **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """`loss_fn(*args, **kwargs)` (a `losses` objective). A `losses.NonFiniteLossError` (NaN/inf from the
+        numbers; bad arguments still raise) is recorded, and its loss and metrics are returned: the trainer
+        back-propagates it like any other, so every rank runs the same FSDP collectives, and `step` then skips."""
+        try:
+            return loss_fn(*args, **kwargs)
+        except losses.NonFiniteLossError as e:
+            self._loss_problem = self._loss_problem or str(e).split(";")[0]
+            return e.loss, e.metrics
 
     def step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """Returns {"actor/grad_norm", "actor/lr", "actor/step_skipped", "actor/skipped_steps"}."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        """Returns {"actor/grad_norm", "actor/lr", "actor/step_skipped", "actor/skipped_steps",
+        "actor/consecutive_skips"}."""
+        all_params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for p in all_params if p.grad is not None]
+        first = all_params[0] if all_params else None
         if params:
             max_norm = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
             grad_norm = float(_full(norm).item())
         else:
             grad_norm = 0.0
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            self.skipped_steps += 1
+        reason = ""
+        if _any_rank(bool(self._loss_problem), first):
+            reason = f"non-finite loss: {self._loss_problem or 'on another rank'}"
+        elif not math.isfinite(grad_norm):
+            reason = f"non-finite gradient norm ({grad_norm})"
         else:
+            backup = self._backup(optimizer)
             optimizer.step()
+            if _any_rank(not self._all_finite(optimizer), first):
+                self._restore(optimizer, backup)
+                reason = "non-finite parameters after the update (the update was undone)"
+        self._loss_problem = ""
+        if reason:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            self.last_skip_reason = reason
+        else:
+            self.applied_steps += 1
+            self.consecutive_skips = 0
         optimizer.zero_grad(set_to_none=True)
         return {
             "actor/grad_norm": grad_norm,
             "actor/lr": float(optimizer.param_groups[0]["lr"]),
-            "actor/step_skipped": float(skipped),
+            "actor/step_skipped": float(bool(reason)),
             "actor/skipped_steps": float(self.skipped_steps),
+            "actor/consecutive_skips": float(self.consecutive_skips),
         }
 
+    @staticmethod
+    @torch.no_grad()
+    def _backup(optimizer: torch.optim.Optimizer) -> dict[Any, tuple[torch.Tensor, dict[str, Any] | None]]:
+        out = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                saved = None if not state else {k: (_local(v).clone() if torch.is_tensor(v) else v)
+                                                for k, v in state.items()}
+                out[p] = (_local(p).clone(), saved)
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def _restore(optimizer: torch.optim.Optimizer, backup) -> None:
+        for p, (value, saved) in backup.items():
+            _local(p).copy_(value)
+            if saved is None:
+                optimizer.state.pop(p, None)  # AdamW creates its state lazily: back to "never stepped"
+                continue
+            for k, v in saved.items():
+                current = optimizer.state[p][k]
+                if torch.is_tensor(current):
+                    _local(current).copy_(v)
+                else:
+                    optimizer.state[p][k] = v
+
+    @staticmethod
+    @torch.no_grad()
+    def _all_finite(optimizer: torch.optim.Optimizer) -> bool:
+        checks = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                checks.append(torch.isfinite(_local(p)).all())
+                checks += [torch.isfinite(_local(v)).all() for k, v in optimizer.state.get(p, {}).items()
+                           if k != "step" and torch.is_tensor(v) and v.is_floating_point()]  # step: a CPU counter
+        return bool(torch.stack(checks).all().item()) if checks else True  # one host sync
+
     def state_dict(self) -> dict[str, Any]:
-        return {"max_grad_norm": self.max_grad_norm, "skipped_steps": self.skipped_steps}
+        return {"max_grad_norm": self.max_grad_norm, "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips, "applied_steps": self.applied_steps,
+                "last_skip_reason": self.last_skip_reason}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.skipped_steps = int(state["skipped_steps"])
+        self.consecutive_skips = int(state["consecutive_skips"])
+        self.applied_steps = int(state["applied_steps"])
+        self.last_skip_reason = str(state["last_skip_reason"])
 
 
 def ema_adapter_(transformer: nn.Module, decay: float, src: str = ADAPTER_DEFAULT, dst: str = ADAPTER_OLD) -> None:

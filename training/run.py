@@ -4,22 +4,62 @@ checkpoint), so each trainer file holds only its algorithm."""
 from __future__ import annotations
 
 import os
+import signal
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
 import torch
+import torch.distributed as dist
 from models import lora
 
-from .distributed import cleanup_distributed, init_distributed, seed_everything
-from .model import ADAPTER_DEFAULT, prepare_transformer
-from .optim import GradStepper, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_, lr_scheduler_state
+from .distributed import cleanup_distributed, get_rank, init_distributed, seed_everything
+from .model import ADAPTER_DEFAULT, adapter_params, prepare_transformer
+from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
+                    lr_scheduler_state)
 from .data import PromptSampler
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import (ResumePlan, _complete_steps, _on_rank0, content_fingerprints, find_latest, load_checkpoint,
+                         prepare_resume, save_checkpoint)
 from .logs import Progress, TensorBoardLogger, perf_metrics, tee_console, write_run_metadata
-from .step import (check_batch_sizes, guidance_of, load_flow_model, load_init_adapter, parse_lora_init, resolve_device,
-                   resume_path, sync_rollout_adapter, validate)
+from .step import (check_batch_sizes, clean_rollout_adapters, guidance_of, load_flow_model, load_init_adapter,
+                   parse_lora_init, resolve_device, sync_rollout_adapter, validate)
 
-__all__ = ["Run", "setup_run"]
+__all__ = ["Run", "setup_run", "StopSignals", "TrainingDiverged", "prepare_output_dir"]
+
+
+class TrainingDiverged(RuntimeError):
+    """--max_consecutive_skips optimizer steps in a row were non-finite; the message says what to resume from."""
+
+
+class StopSignals:
+    """SIGTERM / SIGINT on a trainer rank: the first asks for a stop at the next step boundary (`Run.steps`: every
+    rank stops at the same step, with a checkpoint); a repeat more than 3 s later (an operator's second Ctrl-C)
+    stops at once without one. Repeats within 3 s are the same request: torchrun forwards a terminal Ctrl-C that
+    the ranks also received directly."""
+
+    def __init__(self, announce: bool = True) -> None:
+        self.signum = 0
+        self.received_at: float | None = None
+        self.announce = announce
+
+    def install(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.signum and now - self.received_at > 3.0:
+            if self.announce:
+                os.write(2, f"second {name}: stopping now, without a checkpoint; resume with --resume auto\n".encode())
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if not self.signum:
+            self.signum, self.received_at = signum, now
+            if self.announce:  # os.write: print() is not safe inside a signal handler
+                os.write(2, f"received {name}: stopping at the end of this step, with a checkpoint (send it again "
+                            f"after 3 s to stop at once)\n".encode())
 
 
 @dataclass
@@ -55,10 +95,87 @@ class Run:
     lr_scheduler: Any = None       # torch LambdaLR (training.optim.build_lr_scheduler), stepped once per step
     rollout_adapter: str | None = None  # what the rollout workers sample with, and its version (last sync_rollout)
     rollout_version: int = 0
+    ckpt_config: dict[str, Any] = field(default_factory=dict)  # config + content fingerprints (what resume checks)
+    started_at: float = field(default_factory=time.monotonic)  # the training loop's start (`steps`)
+    stop_signals: StopSignals | None = None
+    last_update_step: int = 0      # the last step whose update was applied (the divergence advice starts there)
+    last_saved_step: int = -1
+    save_pending: bool = False     # a checkpoint that fell on a skipped (non-finite) step: written at the next good one
+    _applied_seen: int = 0
+    _skipped_seen: int = 0
 
-    def steps(self) -> range:
-        """The steps still to run: start_step + 1 .. total_training_steps."""
-        return range(self.start_step + 1, self.args.total_training_steps + 1)
+    def steps(self) -> Iterator[int]:
+        """The steps still to run: start_step + 1 .. total_training_steps. Before each one, every rank checks
+        together whether a stop was asked for (SIGTERM/SIGINT on any rank, --max_wall_time_s) and, if so, ends the
+        run at this step boundary (`_stop`), so all ranks stop at the same step. --max_wall_time_s counts from the
+        first step of this process (set-up, model loading and validation before training excluded), so at least
+        one step runs."""
+        self.started_at = time.monotonic()
+        if self.start_step >= self.args.total_training_steps and self.rank == 0:
+            print(f"nothing to do: the run is at step {self.start_step}, --total_training_steps is "
+                  f"{self.args.total_training_steps}", flush=True)
+        for step in range(self.start_step + 1, self.args.total_training_steps + 1):
+            self._maybe_stop(step - 1)
+            yield step
+
+    def _maybe_stop(self, done: int) -> None:
+        """Collective (one all_reduce): stop after step `done` if any rank got a signal or the wall time is up."""
+        args, now = self.args, time.monotonic()
+        signals = self.stop_signals
+        signum = signals.signum if signals else 0
+        budget = args.stop_save_budget_s
+        over_budget = bool(signum and budget > 0 and now - signals.received_at > budget)
+        wall = bool(args.max_wall_time_s and args.max_wall_time_s > 0 and done > self.start_step
+                    and now - self.started_at >= args.max_wall_time_s)
+        flags = torch.tensor([float(signum), float(wall), float(over_budget)], dtype=torch.float64)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, also in the NCCL+gloo group
+        signum, wall, over_budget = int(flags[0]), bool(flags[1]), bool(flags[2])
+        if signum or wall:
+            self._stop(done, signum, wall, over_budget)
+
+    def _stop(self, done: int, signum: int, wall: bool, over_budget: bool) -> None:
+        """Checkpoint at step `done` (unless it is already saved, or SIGTERM's --stop_save_budget_s ran out), print
+        one line, close, exit: 0 for --max_wall_time_s, 128 + signal number for a signal."""
+        args = self.args
+        path = None
+        saved_already = done <= max(self.start_step, self.last_saved_step)
+        if not saved_already and not over_budget:
+            path = self.save(done)
+        latest = path or (find_latest(self.ckpt_root) if self.rank == 0 else None)
+        where = f"--resume auto (checkpoint {latest})" if latest else "--resume auto (no checkpoint yet: step 0)"
+        if signum:
+            name = signal.Signals(signum).name
+            reason = ("" if path or saved_already else
+                      f"; no checkpoint written: the step ended more than --stop_save_budget_s "
+                      f"{args.stop_save_budget_s:g} s after the signal")
+            line = f"stopped by {name} at step {done}{reason}; resume with {where} and the same flags"
+            code = 128 + signum
+        else:
+            elapsed = time.monotonic() - self.started_at
+            line = (f"stopped at step {done} after {elapsed:.0f} s of training (--max_wall_time_s "
+                    f"{args.max_wall_time_s:g}); "
+                    f"continue with {where} and the same flags")
+            code = 0
+        if self.rank == 0:
+            print(line, flush=True)
+        self.close()
+        raise SystemExit(code)
+
+    def save(self, step: int) -> str:
+        """Checkpoint `step` (see `save_checkpoint`) and say so on rank 0. Collective."""
+        start = time.perf_counter()
+        path = save_checkpoint(self.ckpt_root, step, transformer=self.model.transformer, optimizer=self.optimizer,
+                               lora_config=self.lora_config, config=self.ckpt_config or self.config,
+                               sampler=self.sampler, adapter_names=self.adapter_names,
+                               trainer_state={"grad_stepper": self.stepper.state_dict(),
+                                              "last_update_step": self.last_update_step,
+                                              "lr_scheduler": lr_scheduler_state(self.lr_scheduler)},
+                               keep_last=self.args.keep_last)
+        self.last_saved_step, self.save_pending = step, False
+        if self.rank == 0:
+            print(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s)", flush=True)
+        return path
 
     def sync_rollout(self, adapter: str, step: int) -> dict[str, float]:
         """Publish `adapter` to the rollout workers as version `step` (see `sync_rollout_adapter`). Collective."""
@@ -90,8 +207,10 @@ class Run:
 
     def end_step(self, step: int, metrics: dict[str, float], timings: Mapping[str, float], step_start: float,
                  epoch: int) -> None:
-        """The tail of a step: timing and throughput metrics, TensorBoard, the progress line, validation every
-        --test_freq steps and at the end, a checkpoint every --save_freq steps and at the end. Collective."""
+        """The tail of a step: timing and throughput metrics, TensorBoard (flushed), the progress line, a line per
+        skipped (non-finite) optimizer step and the --max_consecutive_skips stop, validation every --test_freq steps
+        and at the end, a checkpoint every --save_freq steps and at the end (one due on a step that ended skipped is
+        deferred to the next applied one). Collective."""
         args = self.args
         if self.lr_scheduler is not None:  # the step's updates are done (actor/lr logged the lr they used)
             self.lr_scheduler.step()
@@ -104,16 +223,69 @@ class Run:
             self.logger.log_scalars(metrics, step)
         if self.rank == 0:
             print(self.progress.line(step, step_time, metrics), flush=True)
+        self.logger.flush()  # a crash later loses no logged step (a resume purges the replayed ones)
+        skipped_now = self._track_updates(step)
         last = step == args.total_training_steps
         if self.val_data is not None and ((args.test_freq and step % args.test_freq == 0) or last):
             self.validate(step)
-        if step % args.save_freq == 0 or last:
-            save_checkpoint(self.ckpt_root, step, transformer=self.model.transformer, optimizer=self.optimizer,
-                            lora_config=self.lora_config, config=self.config, sampler=self.sampler,
-                            adapter_names=self.adapter_names,
-                            trainer_state={"grad_stepper": self.stepper.state_dict(),
-                                           "lr_scheduler": lr_scheduler_state(self.lr_scheduler)},
-                            keep_last=args.keep_last)
+        if step % args.save_freq == 0 or last or self.save_pending:
+            if skipped_now and not last:  # these weights just gave NaN/inf: do not let them push out a good one
+                self.save_pending = True
+                if self.rank == 0:
+                    print(f"step {step}: checkpoint deferred to the next step whose update is applied", flush=True)
+            else:
+                self.save(step)
+
+    def _track_updates(self, step: int) -> bool:
+        """After step `step`: note whether its update was applied, report skips, and stop the run (TrainingDiverged,
+        on every rank alike) after --max_consecutive_skips skips in a row. Returns whether the step ended skipped."""
+        stepper, args = self.stepper, self.args
+        if stepper.applied_steps > self._applied_seen:
+            self.last_update_step = step
+        skipped = stepper.skipped_steps - self._skipped_seen
+        self._applied_seen, self._skipped_seen = stepper.applied_steps, stepper.skipped_steps
+        if skipped and self.rank == 0:
+            print(f"step {step}: skipped {skipped} optimizer step(s): {stepper.last_skip_reason}; "
+                  f"{stepper.consecutive_skips} in a row (the run stops at --max_consecutive_skips "
+                  f"{args.max_consecutive_skips})", flush=True)
+        if args.max_consecutive_skips > 0 and stepper.consecutive_skips >= args.max_consecutive_skips:
+            message = self._divergence_message(step)
+            self.close()
+            raise TrainingDiverged(message)
+        return stepper.consecutive_skips > 0
+
+    def _divergence_message(self, step: int) -> str:
+        """What diverged, where the weights came from and which checkpoint + change to resume with. Collective."""
+        args, stepper, update = self.args, self.stepper, self.last_update_step
+        largest = torch.zeros((), dtype=torch.float64)
+        for _, p in adapter_params(self.model.transformer, ADAPTER_DEFAULT):
+            local = _local(p.detach())
+            if local.numel():
+                largest = torch.maximum(largest, local.abs().max().double().cpu())
+        if dist.is_initialized() and self.world > 1:
+            largest = largest.to(self.device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        lines = [f"training diverged: {stepper.consecutive_skips} optimizer steps in a row were skipped "
+                 f"(--max_consecutive_skips {args.max_consecutive_skips}), the last at step {step}: "
+                 f"{stepper.last_skip_reason}. Nothing was updated since, and no checkpoint was written from NaN/inf."]
+        if update <= 0:
+            lines.append(f"No update was ever applied in this run: the starting weights (largest |LoRA value| "
+                         f"{float(largest):.3g}) already give NaN/inf; check the model, --precision and the data.")
+            return "\n".join(lines)
+        lines.append(f"The LoRA weights are finite (largest |value| {float(largest):.3g}) but give NaN/inf; they are "
+                     f"the result of the update of step {update}, so the checkpoints from step {update} on hold them.")
+        earlier = None
+        if self.rank == 0 and os.path.isdir(self.ckpt_root):
+            older = [s for s in _complete_steps(self.ckpt_root) if s < update]
+            earlier = os.path.join(self.ckpt_root, f"step_{older[-1]:08d}") if older else None
+        smaller = f"{args.lr / 10:g}"
+        if earlier:
+            lines.append(f"Resume from the last checkpoint before it with a smaller learning rate: --resume {earlier} "
+                         f"--lr {smaller} --resume_force (--lr is fingerprinted; --resume_force accepts the change).")
+        else:
+            lines.append(f"No checkpoint precedes step {update}: start over with a smaller learning rate: --resume "
+                         f"never --lr {smaller} (the current checkpoints are moved aside, not deleted).")
+        return "\n".join(lines)
 
     def close(self) -> None:
         self.rollout.close()
@@ -138,7 +310,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors
     seed_everything(args.seed)
-    logger = TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"))
+    plan, ckpt_config = prepare_output_dir(args, config, adapter_names)  # model-free: --resume decided and checked
+    logger = TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"), purge_step=plan.purge_step)
     write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger)
 
     model_path = resolve_model_path(args.model_path)
@@ -167,15 +340,18 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     check_batch_sizes(args.train_batch_size, mini_prompts, args.rollout_n, args.micro_batch_size, world)
     scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
 
-    start_step = 0
+    start_step, last_update_step = 0, 0
     ckpt_root = os.path.join(args.output_dir, "checkpoints")
-    resume_from = resume_path(args.resume, ckpt_root)
-    if resume_from:
-        state = load_checkpoint(resume_from, transformer=model.transformer, optimizer=optimizer, config=config,
-                                sampler=sampler, adapter_names=adapter_names)
+    if plan.path:  # sha256 and config were checked by prepare_output_dir
+        state = load_checkpoint(plan.path, transformer=model.transformer, optimizer=optimizer, config=ckpt_config,
+                                sampler=sampler, adapter_names=adapter_names, force=args.resume_force,
+                                verify_sha256=False)
         start_step = state["step"]
         stepper.load_state_dict(state["trainer_state"]["grad_stepper"])
         load_lr_scheduler_state_(lr_scheduler, state["trainer_state"].get("lr_scheduler"))
+        last_update_step = int(state["trainer_state"]["last_update_step"])
+        if rank == 0:
+            print(f"resumed from {plan.path} at step {start_step}", flush=True)
 
     rollout = DistributedRollout(model_path, args.rollout_devices.split(","), engine=args.rollout_engine,
                                  dtype=args.rollout_dtype if device.type == "cuda" else "float32",
@@ -188,4 +364,25 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
                ckpt_root=ckpt_root, adapters_root=os.path.join(args.output_dir, "rollout_adapters"),
                start_step=start_step, progress=Progress(args.total_training_steps, start_step),
-               lr_scheduler=lr_scheduler)
+               lr_scheduler=lr_scheduler,
+               ckpt_config=ckpt_config, stop_signals=StopSignals(rank == 0).install(),
+               last_update_step=last_update_step, _applied_seen=stepper.applied_steps,
+               _skipped_seen=stepper.skipped_steps)
+
+
+def prepare_output_dir(args, config: Mapping[str, Any], adapter_names) -> tuple[ResumePlan, dict[str, Any]]:
+    """Model-free, before TensorBoard opens: content fingerprints of the data and model folders (computed on rank
+    0, shared), the `--resume` decision (`prepare_resume`: orphans of a killed save, --resume never, sha256, config),
+    and the removal of rollout adapters left by earlier runs; rank 0 prints what was done. Collective. Returns the
+    plan and the config that checkpoints record (the flags plus "<path flag>@content")."""
+    fingerprints = _on_rank0(lambda: content_fingerprints(config), "cannot fingerprint an input for --resume: ")
+    ckpt_config = {**config, **fingerprints}
+    out = args.output_dir
+    plan = prepare_resume(args.resume, os.path.join(out, "checkpoints"), ckpt_config, adapter_names=adapter_names,
+                          force=args.resume_force, set_aside_with_checkpoints=(
+                              os.path.join(out, "tensorboard"), os.path.join(out, "run_metadata.json")))
+    if get_rank() == 0:
+        cleaned = clean_rollout_adapters(os.path.join(out, "rollout_adapters"))
+        for line in [*plan.messages, *([cleaned] if cleaned else [])]:
+            print(line, flush=True)
+    return plan, ckpt_config

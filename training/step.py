@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -17,14 +18,15 @@ from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_m
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_state_dict, base_weight_dtype, load_adapter_state_,
                     save_adapter_dir)
 from .optim import LR_SCHEDULES
-from .checkpoint import MARKER, CheckpointError, find_latest
+from .checkpoint import MARKER, find_latest
 from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, reward_metrics, timer,
                    validation_metrics)
 
 __all__ = [
     "add_common_args", "resolve_device", "guidance_of", "rollout_request", "score_samples", "global_advantages",
-    "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes", "resume_path",
-    "resolve_adapter_dir", "adapter_arg", "load_init_adapter", "ValidationOutcome", "run_validation", "validate"
+    "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes",
+    "resolve_adapter_dir", "adapter_arg", "load_init_adapter", "ValidationOutcome", "run_validation", "validate",
+    "prune_rollout_adapters", "clean_rollout_adapters"
 ]
 
 
@@ -111,8 +113,19 @@ def add_common_args(parser) -> None:
     g.add_argument("--save_freq", type=int, default=30, help="checkpoint every N steps (and at the end)")
     g.add_argument("--keep_last", type=int, default=3, help="complete checkpoints to keep")
     g.add_argument("--resume", default="auto",
-                   help="'auto' = latest complete checkpoint under <output_dir>/checkpoints if any, 'never', or a "
+                   help="'auto' = latest complete checkpoint under <output_dir>/checkpoints if any; 'never' = start at "
+                        "step 0 (existing checkpoints and logs are moved to <output_dir>/previous/, not deleted); or a "
                         "checkpoint directory")
+    g.add_argument("--resume_force", action="store_true",
+                   help="resume even if flags that change the objective or the data order differ (warns, naming them)")
+    g.add_argument("--max_consecutive_skips", type=int, default=3,
+                   help="stop when this many optimizer steps in a row were skipped as non-finite (0 = never stop)")
+    g.add_argument("--max_wall_time_s", type=float, default=0.0,
+                   help="stop cleanly (checkpoint, exit 0) at the first step boundary after this many seconds since "
+                        "start-up (0 = no limit)")
+    g.add_argument("--stop_save_budget_s", type=float, default=0.0,
+                   help="after SIGTERM/SIGINT the run finishes its step and saves there; with a budget > 0 it skips "
+                        "that save when the step ended later than this many seconds after the signal (0 = always save)")
     g.add_argument("--output_dir", default="outputs/run", help="TensorBoard logs, checkpoints, adapters")
     g.add_argument("--log_every", type=int, default=1)
     rewards.add_reward_args(parser)
@@ -194,8 +207,7 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
         path = os.path.join(root, f"v{version:08d}")
         if is_main_process():  # an atomic write: workers never see a half-written version
             save_adapter_dir(state, lora_config, path, engine_names=engine_names)
-            for old in sorted(d for d in os.listdir(root) if d.startswith("v"))[:-keep]:
-                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+            prune_rollout_adapters(root, version, keep)
         barrier()
         counts = rollout_client.load_adapter(path, label or f"v{version}")
     bad = [c for c in counts if c != expected_modules]
@@ -204,6 +216,45 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
             f"the rollout workers bound {counts} LoRA modules of adapter {path}, the actor has {expected_modules}: the "
             "weight sync is incomplete (name translation or target_modules mismatch); refusing to continue")
     return {**timings, "rollout/bound_modules": float(counts[0]) if counts else 0.0}
+
+
+_VERSION_DIR = re.compile(r"^v(\d{8})$")
+
+
+def prune_rollout_adapters(root: str, current: int, keep: int = 2) -> list[str]:
+    """Rank 0, right after writing version `current`: delete the versions this run no longer needs; return them.
+
+    Kept: `current` and the `keep - 1` newest versions below it (the workers still hold the previous one until they
+    load `current`). Everything else goes, including versions ABOVE `current`: within one run versions only grow,
+    so a higher one is a leftover of an earlier run (a resume from an earlier step), never in use.
+    """
+    versions = sorted(int(m.group(1)) for d in os.listdir(root) if (m := _VERSION_DIR.match(d)))
+    below = [v for v in versions if v < current]
+    kept = {current, *below[len(below) - max(keep - 1, 0):]} if keep > 1 else {current}
+    removed = [f"v{v:08d}" for v in versions if v not in kept]
+    for name in removed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return removed
+
+
+def clean_rollout_adapters(root: str) -> str | None:
+    """Rank 0, at start-up before any rollout worker runs: remove every adapter version and temp folder left under
+    `root` by earlier runs (this run publishes its own first version before the first rollout). Returns the line to
+    log, or None when there was nothing to remove."""
+    if not os.path.isdir(root):
+        return None
+    names = sorted(os.listdir(root))
+    for name in names:
+        full = os.path.join(root, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full, ignore_errors=True)
+        else:
+            os.remove(full)
+    if not names:
+        return None
+    versions = [n for n in names if _VERSION_DIR.match(n)]
+    return (f"removed {len(names)} entries left by an earlier run from {root} (rollout adapter versions "
+            f"{versions[0] + '..' + versions[-1] if versions else 'none'}; they are re-published from the weights)")
 
 
 def parse_lora_init(value: str) -> bool | str:
@@ -245,17 +296,6 @@ def check_batch_sizes(train_batch_size: int, mini_batch_prompts: int, n: int, mi
     if (mini_batch_prompts // world) * n % micro_batch_size:
         raise ValueError(f"micro_batch_size ({micro_batch_size}) must divide the per-rank mini-batch of "
                          f"{(mini_batch_prompts // world) * n} samples (ppo_mini_batch_size / world x rollout_n)")
-
-
-def resume_path(resume: str, ckpt_root: str) -> str | None:
-    """--resume: 'auto' -> the latest complete checkpoint (None if there is none), 'never' -> None, else a path."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return find_latest(ckpt_root)
-    if not os.path.isdir(resume):
-        raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
-    return resume
 
 
 def resolve_adapter_dir(spec: str) -> str:
