@@ -98,6 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_path", default=None, help="an existing Qwen-Image pipeline folder (default: build one)")
     p.add_argument("--qwen-layers", dest="qwen_layers", type=int, default=60, help="blocks of the built checkpoint")
     p.add_argument("--lora_rank", type=int, default=64)
+    p.add_argument("--lora_alpha", type=float, default=None, help="default: the rank")
     p.add_argument("--repeats", type=int, default=5, help="timed syncs per path (after one warm-up each)")
     p.add_argument("--peer", action="store_true", help="also a worker on cuda:1 (a reserved rollout GPU)")
     p.add_argument("--workdir", default=None, help="where the checkpoint and adapter folders go (default: temp)")
@@ -111,7 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def main(argv=None, client: rollout.DistributedRollout | None = None) -> int:
+    """`client`: an already started rollout client on --model_path to use (and leave running) instead of starting
+    one (the tests reuse theirs)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_sync-")
     os.makedirs(workdir, exist_ok=True)
-    client = None
+    own_client = client is None
     try:
         model_path = args.model_path
         build_s = 0.0
@@ -139,19 +142,23 @@ def main(argv=None) -> int:
         layout, targets = lora_layout(model_path, args.lora_rank)
         from peft import LoraConfig
 
-        lora_config = LoraConfig(r=args.lora_rank, lora_alpha=float(args.lora_rank), target_modules=targets)
+        alpha = float(args.lora_rank if args.lora_alpha is None else args.lora_alpha)
+        lora_config = LoraConfig(r=args.lora_rank, lora_alpha=alpha, target_modules=targets)
         config = T.adapter_config_dict(lora_config)
         n_modules, numel = len(layout) // 2, rollout.layout_numel(rollout.adapter_layout(layout))
         adapters = [random_adapter(layout, device, seed) for seed in (1, 2)]
         workers = ["cuda:0"] + (["cuda:1"] if args.peer else []) if device.type == "cuda" else ["cpu"]
+        if not own_client:
+            workers = [worker.devices for worker in client.group.workers]
         print(f"bench_sync: {model_path} on {workers}, LoRA r{args.lora_rank} over {n_modules} modules = "
               f"{numel / 1e6:.1f}M parameters ({numel * 4 / 1e9:.2f} GB fp32), {args.repeats} repeats; "
               f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda"
                                               else ""), flush=True)
         t0 = time.perf_counter()
-        client = rollout.DistributedRollout(model_path, workers, trainer_device=device.type, sync="tensors",
-                                            dtype="bfloat16" if device.type == "cuda" else "float32",
-                                            max_batch_size=1, log_dir=os.path.join(workdir, "logs"))
+        if own_client:
+            client = rollout.DistributedRollout(model_path, workers, trainer_device=device.type, sync="tensors",
+                                                dtype="bfloat16" if device.type == "cuda" else "float32",
+                                                max_batch_size=1, log_dir=os.path.join(workdir, "logs"))
         load_s = time.perf_counter() - t0
         root = os.path.join(workdir, "rollout_adapters")
         os.makedirs(root, exist_ok=True)
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
         identical = torch.equal(via_disk.latents_clean, via_tensors.latents_clean)
         max_diff = (via_disk.latents_clean - via_tensors.latents_clean).abs().max().item()
     finally:
-        if client is not None:
+        if own_client and client is not None:
             client.close()
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -330,16 +330,16 @@ def test_tensor_sync_equals_disk_sync_and_refuses_wrong_tensor_sets(client, acto
     assert still.metadata["adapter_version"] == "tensors" and torch.equal(still.latents_clean, from_disk.latents_clean)
 
 
-def test_bench_sync_smoke(tiny_models, tmp_path):
-    """scripts/bench_sync.py's CPU mode on the tiny Qwen-Image: both sync paths timed, counts checked, the rollout
-    after either path bit-identical."""
+def test_bench_sync_smoke(client, tiny_models, tmp_path):
+    """scripts/bench_sync.py's CPU mode on the tiny Qwen-Image (on this module's worker, whose LoRA has alpha 8):
+    both sync paths timed, counts checked, the rollout after either path bit-identical."""
     import json
 
     import bench_sync
 
     out = tmp_path / "sync.json"
-    assert bench_sync.main(["--device", "cpu", "--quick", "--repeats", "1", "--json", str(out),
-                            "--model_path", os.path.join(tiny_models, "qwen_image")]) == 0
+    assert bench_sync.main(["--device", "cpu", "--quick", "--repeats", "1", "--json", str(out), "--lora_alpha", "8",
+                            "--model_path", os.path.join(tiny_models, "qwen_image")], client=client) == 0
     data = json.loads(out.read_text())
     assert data["bound_counts_ok"] and data["identical_rollout"] and data["modules"] == 24
     assert data["disk"]["median_s"] > 0 and data["tensors"]["median_s"] > 0 and data["ratio"] > 0
