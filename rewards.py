@@ -793,6 +793,20 @@ class RewardResult:
     extras: dict[str, torch.Tensor]             # each (B,) float32; NaN where not applicable
     texts: dict[str, list[str | None]] = field(default_factory=dict)
 
+    @staticmethod
+    def cat(parts: Sequence["RewardResult"]) -> "RewardResult":
+        """Join the results of consecutive row slices, in order, into what one `score_batch` over all the rows
+        returns: an extra (text) that a slice lacks, because none of its rows used that reward, is NaN (None) there."""
+        if not parts:
+            raise ValueError("RewardResult.cat needs at least one part")
+        sizes = [p.rewards.shape[0] for p in parts]
+        extras = {key: torch.cat([p.extras.get(key, torch.full((n,), float("nan"))).float()
+                                  for p, n in zip(parts, sizes)])
+                  for key in dict.fromkeys(k for p in parts for k in p.extras)}
+        texts = {key: [t for p, n in zip(parts, sizes) for t in p.texts.get(key, [None] * n)]
+                 for key in dict.fromkeys(k for p in parts for k in p.texts)}
+        return RewardResult(rewards=torch.cat([p.rewards for p in parts]).float(), extras=extras, texts=texts)
+
 
 class RewardScorer:
     """Builds each reward on first use (once per process, thread-safe) and scores batches."""
@@ -843,6 +857,15 @@ class RewardScorer:
                 self.pickscore()
             elif name not in REWARD_NAMES:
                 raise ValueError(f"unknown reward {name!r}; known: {REWARD_NAMES}")
+
+    def scores_rows_independently(self, data_sources: Sequence[str]) -> bool:
+        """Whether every reward that rows with these data sources use scores each image on its own (jpeg_*, OCR
+        through the http judge or rapidocr: one request / one call per image), so that `score_batch` over
+        consecutive row slices, joined by `RewardResult.cat`, equals one call over all rows bit for bit. PickScore
+        and the local GenRM batch images, and batched kernels may round differently at another batch size."""
+        names = list(self.config.reward_weights) if self.config.reward_weights else list(dict.fromkeys(data_sources))
+        return all(name.startswith("jpeg_") or (name == "ocr" and self.config.ocr_backend in ("http", "rapidocr"))
+                   for name in names)
 
     # --- single rewards on a subset -------------------------------------------------------------------------
     def _score(self, name: str, images: list[torch.Tensor], gts: list[str]) -> tuple[torch.Tensor, dict, dict]:

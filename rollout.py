@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import select
 import shutil
@@ -35,7 +36,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -401,6 +402,28 @@ class NativeEngine:
         self.adapter_version = version
         return self.bound_modules
 
+    def load_adapter_tensors(self, message: dict[str, Any]) -> int:
+        """The tensor sync (`load_adapter_tensors` op): bind the adapter tensors a trainer rank shares in memory
+        (`AdapterBuffer`), with the same checks and copies as a PEFT directory (`models.lora.bind_adapter`)."""
+        from models import lora
+
+        source = message["source"]
+        if source.get("kind") == "cuda_ipc" and message.get("torch_version") != torch.__version__:
+            raise RuntimeError(f"CUDA IPC handles from torch {message.get('torch_version')} cannot be opened by this "
+                               f"worker's torch {torch.__version__}; run trainer and workers with the same torch or "
+                               "use --rollout_sync disk")
+        flat = open_adapter_buffer(source, self.device)
+        try:
+            modules = unpack_adapter(flat, message["layout"])
+            self.bound_modules = lora.load_adapter_tensors(self.model, message["config"], modules,
+                                                           source=f"adapter tensors {message['version']}")
+        finally:
+            modules = flat = None  # the trainer frees its buffer once we answer: keep no view of it
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        self.adapter_version = message["version"]
+        return self.bound_modules
+
     # ---- generation -------------------------------------------------------------------------------------------
     def _encode(self, prompts: Sequence[Any], images: Sequence[Any] | None):
         """Encode each distinct (prompt, image) once, then index the rows back (groups repeat prompts n times)."""
@@ -416,14 +439,16 @@ class NativeEngine:
         embeds = self.model.encode_prompt(unique, images=unique_images if images is not None else None)
         return embeds.index(rows)
 
-    @torch.no_grad()
     def generate(self, request: RolloutRequest) -> RolloutResult:
+        return RolloutResult.cat([part for _, part in self.generate_chunks(request)])
+
+    @torch.no_grad()
+    def generate_chunks(self, request: RolloutRequest) -> Iterator[tuple[int, RolloutResult]]:
+        """(first row, result) of each chunk of `max_batch_size` rows, in order, as soon as it is sampled."""
         request.validate()
-        parts = []
         for start in range(0, len(request), self.max_batch_size):
             rows = list(range(start, min(start + self.max_batch_size, len(request))))
-            parts.append(self._generate_chunk(request.select(rows)))
-        return RolloutResult.cat(parts)
+            yield start, self._generate_chunk(request.select(rows))
 
     def _generate_chunk(self, request: RolloutRequest) -> RolloutResult:
         model, n = self.model, len(request)
@@ -870,6 +895,10 @@ class VllmOmniEngine:
         return assemble_vllm_omni_result(parts, request, family=self.family, adapter_version=self.adapter_version,
                                          bound_modules=self.bound_modules)
 
+    def generate_chunks(self, request: RolloutRequest) -> Iterator[tuple[int, RolloutResult]]:
+        """The whole request as one chunk (vllm-omni batches its requests itself)."""
+        yield 0, self.generate(request)
+
     def close(self) -> None:
         """Shut vllm-omni down (its stage processes and workers); idempotent."""
         omni, self.omni = getattr(self, "omni", None), None
@@ -889,6 +918,225 @@ def build_engine(engine: str, model_path: str, **kwargs: Any):
     if engine == "vllm_omni":
         return VllmOmniEngine(model_path, **kwargs)
     raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Node layouts (which GPU each rollout worker uses) and adapter tensors handed over without a disk round trip
+# ---------------------------------------------------------------------------------------------------------
+
+COLOCATED = "colocated"
+SYNC_MODES = ("auto", "tensors", "disk")
+
+
+def gpu_index(device: str) -> int | None:
+    """k for "cuda:k" ("cuda" = 0), None for any other device."""
+    if device == "cuda":
+        return 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return int(device[5:])
+    return None
+
+
+def visible_gpu(index: int, visible: str | None = None) -> str:
+    """The CUDA_VISIBLE_DEVICES entry (a number, GPU UUID or MIG id) for the GPU that this process calls
+    `cuda:<index>`: the index-th entry of this process's CUDA_VISIBLE_DEVICES (`visible`, default the environment's),
+    or the index itself when none is set. So `--rollout_devices cuda:3` means the trainer's cuda:3, as in torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible is None:
+        return str(index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if not 0 <= index < len(entries):
+        raise ValueError(f"cuda:{index} is not visible to this process: CUDA_VISIBLE_DEVICES={visible!r} lists "
+                         f"{len(entries)} GPU(s); name a rollout device among cuda:0..cuda:{len(entries) - 1}")
+    return entries[index]
+
+
+def worker_cuda_devices(device: str, ipc_source: int | None = None,
+                        visible: str | None = None) -> tuple[str, int | None]:
+    """(CUDA_VISIBLE_DEVICES of a worker on `device`, the worker's cuda index of the trainer GPU `ipc_source`).
+
+    device: "cuda:k" (or "cuda:k,l" for a worker using several GPUs), k = this process's cuda:k (`visible_gpu`);
+    the worker sees its own GPU(s) first (it runs on its cuda:0). ipc_source: this process's cuda index of the
+    trainer GPU that shares adapter tensors with the worker (None: no tensor sync); when it is not one of the
+    worker's own GPUs it is made visible too, after them (the worker maps the buffer there and copies it over)."""
+    ids = device.split(":", 1)[1] if ":" in device else "0"
+    own = [visible_gpu(int(g), visible) if g.isdigit() else g for g in ids.split(",")]
+    if ipc_source is None:
+        return ",".join(own), None
+    peer = visible_gpu(ipc_source, visible)
+    if peer in own:
+        return ",".join(own), own.index(peer)
+    return ",".join(own + [peer]), len(own)
+
+
+def node_worker_devices(devices: Sequence[str], *, local_world_size: int, trainer_device: str) -> list[str]:
+    """One node's rollout worker devices from `--rollout_devices`: "colocated" = one worker per trainer rank of the
+    node, on that rank's own device (local rank r trains on cuda:r, so its worker gets cuda:r; CPU trainers get CPU
+    workers); anything else is taken as given (GPUs reserved for rollout, e.g. ["cuda:3"])."""
+    devices = [d.strip() for d in devices]
+    if COLOCATED not in devices:
+        return devices
+    if len(devices) != 1:
+        raise ValueError(f"--rollout_devices {COLOCATED} stands alone (got {','.join(devices)})")
+    if trainer_device not in ("cuda", "cpu"):
+        raise ValueError(f"trainer device must be 'cuda' or 'cpu', got {trainer_device!r}")
+    return [f"cuda:{r}" if trainer_device == "cuda" else "cpu" for r in range(local_world_size)]
+
+
+def adapter_sources(devices: Sequence[str], *, local_world_size: int, trainer_device: str) -> list[int]:
+    """For each worker, the node-local trainer rank whose copy of the adapter it receives in a tensor sync: the rank
+    that trains on the worker's own GPU where there is one (colocated: worker r <- rank r, the same GPU), else local
+    rank 0 (reserved rollout GPUs: the workers read rank 0's GPU buffer; CPU: rank 0's memory file)."""
+    out = []
+    for device in devices:
+        k = gpu_index(device)
+        out.append(k if trainer_device == "cuda" and k is not None and k < local_world_size else 0)
+    return out
+
+
+def resolve_sync(sync: str, *, engine: str, trainer_device: str, devices: Sequence[str]) -> str:
+    """`--rollout_sync`: "tensors" (hand each worker the adapter tensors in memory; the native engine with trainers
+    and workers both on CUDA or both on CPU) or "disk" (a versioned PEFT directory that every worker reads; what
+    vllm-omni needs). "auto" picks tensors wherever they work."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"--rollout_sync must be one of {SYNC_MODES}, got {sync!r}")
+    kinds = {"cuda" if gpu_index(d) is not None else d.split(":")[0] for d in devices}
+    possible = engine == "native" and kinds == {trainer_device}
+    if sync == "auto":
+        return "tensors" if possible else "disk"
+    if sync == "tensors" and not possible:
+        raise ValueError(f"--rollout_sync tensors needs the native engine with trainers and rollout workers on the "
+                         f"same kind of device (got engine {engine}, trainer {trainer_device}, workers "
+                         f"{list(devices)}); use --rollout_sync disk")
+    return sync
+
+
+def adapter_layout(named_shapes: Sequence[tuple[str, Sequence[int]]]) -> list[list[Any]]:
+    """The plain-data layout of a flat adapter buffer: [[key, [shape...]], ...] in buffer order, keys
+    `<trainer module path>.lora_A.weight` / `.lora_B.weight`; each tensor starts where the previous one ends."""
+    return [[str(key), [int(d) for d in shape]] for key, shape in named_shapes]
+
+
+def layout_numel(layout: Sequence[Sequence[Any]]) -> int:
+    return sum(math.prod(shape) for _, shape in layout)
+
+
+def unpack_adapter(flat: torch.Tensor, layout: Sequence[Sequence[Any]]) -> dict[str, dict[str, torch.Tensor]]:
+    """{module path: {"A": view, "B": view}} of a flat buffer laid out by `adapter_layout` (views, no copies). A
+    malformed layout (bad key, duplicate, sizes that do not add up to the buffer) raises."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    offset = 0
+    for key, shape in layout:
+        path, sep, suffix = str(key).rpartition(".lora_")
+        if not sep or suffix not in ("A.weight", "B.weight") or not path:
+            raise ValueError(f"adapter tensor key {key!r} is not '<module>.lora_A.weight' / '<module>.lora_B.weight'")
+        which = suffix[0]
+        if which in modules.get(path, {}):
+            raise ValueError(f"adapter tensor {key!r} appears twice in the layout")
+        n = math.prod(shape)
+        if offset + n > flat.numel():
+            raise ValueError(f"the adapter layout needs more than the buffer's {flat.numel()} elements (at {key!r})")
+        modules.setdefault(path, {})[which] = flat[offset:offset + n].view(*shape)
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"the adapter layout covers {offset} of the buffer's {flat.numel()} elements")
+    return modules
+
+
+def _memory_file(nbytes: int) -> tuple[int, str, bool]:
+    """(fd, path other processes of this machine can open, unlink on close?) of a file of `nbytes` in memory: an
+    anonymous memfd (Linux; freed with its last mapping, even if this process dies), else a file in /dev/shm or the
+    temp directory."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("flowrl-adapter")
+        path, unlink = f"/proc/{os.getpid()}/fd/{fd}", False
+    else:
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="flowrl-adapter-", dir=folder)
+        unlink = True
+    os.ftruncate(fd, nbytes)
+    return fd, path, unlink
+
+
+class AdapterBuffer:
+    """One flat float32 buffer that holds a LoRA adapter's tensors back to back (`adapter_layout` order) on a trainer
+    rank, for this node's rollout workers to read without a disk round trip: on a GPU through CUDA IPC (a worker on
+    the same GPU maps this very memory; one on another GPU of the node maps it on that GPU and copies it over, one
+    device-to-device copy), on the CPU as a memory file that the workers map read-only. `share()` is plain data for
+    the worker message; `close()` frees the buffer (only after every worker answered)."""
+
+    def __init__(self, numel: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._fd: int | None = None
+        if self.device.type == "cuda":
+            self.tensor = torch.empty(numel, dtype=torch.float32, device=self.device)
+        elif self.device.type == "cpu":
+            self._fd, self._path, self._unlink = _memory_file(numel * 4)
+            self.tensor = torch.from_file(self._path, shared=True, size=numel, dtype=torch.float32)
+        else:
+            raise ValueError(f"an adapter buffer lives on a CUDA GPU or the CPU, not {self.device}")
+
+    def share(self) -> dict[str, Any]:
+        """Plain data (ints, bytes, str, bool) from which `open_adapter_buffer` maps this buffer in a worker."""
+        if self.device.type == "cpu":
+            return {"kind": "file", "path": self._path, "numel": self.tensor.numel()}
+        torch.cuda.synchronize(self.device)  # the buffer is filled before any worker reads it
+        try:
+            (_, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset, event_handle,
+             event_sync_required) = self.tensor.untyped_storage()._share_cuda_()
+        except RuntimeError as e:
+            raise RuntimeError(f"could not export the adapter buffer through CUDA IPC ({e}); use --rollout_sync disk"
+                               ) from e
+        return {"kind": "cuda_ipc", "handle": handle, "storage_size": int(storage_size),
+                "storage_offset": int(storage_offset), "ref_counter_handle": ref_counter_handle,
+                "ref_counter_offset": int(ref_counter_offset), "event_handle": event_handle,
+                "event_sync_required": bool(event_sync_required), "offset": int(self.tensor.storage_offset()),
+                "numel": self.tensor.numel()}
+
+    def close(self) -> None:
+        self.tensor = None
+        if self._fd is not None:
+            os.close(self._fd)
+            if self._unlink:
+                os.unlink(self._path)
+            self._fd = None
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # free what the workers released
+
+
+def open_adapter_buffer(source: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """In a worker: the flat float32 buffer that a trainer rank shares (`AdapterBuffer.share()`, with "device" set
+    by the group to this worker's index of the trainer's GPU), on `device`: mapped in place when it already lives
+    there, else copied over once."""
+    numel = int(source["numel"])
+    if source["kind"] == "file":
+        flat = torch.from_file(source["path"], shared=False, size=numel, dtype=torch.float32)
+    elif source["kind"] == "cuda_ipc":
+        index = int(source["device"])
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, source["handle"], source["storage_size"], source["storage_offset"], source["ref_counter_handle"],
+            source["ref_counter_offset"], source["event_handle"], source["event_sync_required"])
+        flat = torch.empty(0, dtype=torch.float32, device=f"cuda:{index}").set_(
+            storage, source["offset"], (numel,), (1,))
+        torch.cuda.synchronize(index)  # the producer's event (if any) is waited for on that device's stream
+    else:
+        raise ValueError(f"unknown adapter buffer kind {source['kind']!r}")
+    return flat.to(device)
+
+
+def release_memory(device: str) -> dict[str, float]:
+    """In a worker after a request: return the CUDA cache to the GPU (a colocated trainer rank trains next on it)
+    and report, in GiB, the peak allocated during the request and what the worker still holds (allocated /
+    reserved). {} on CPU."""
+    if not (str(device).startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    gib = 1024.0 ** 3
+    peak = torch.cuda.max_memory_allocated() / gib
+    torch.cuda.empty_cache()
+    out = {"peak_gib": peak, "allocated_gib": torch.cuda.memory_allocated() / gib,
+           "reserved_gib": torch.cuda.memory_reserved() / gib}
+    torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -971,11 +1219,18 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
             return
         op = message.get("op")
         try:
-            if op == "generate":
-                result = engine.generate(RolloutRequest.from_dict(message["request"]))
-                reply = {"ok": True, "result": result.to_dict()}
+            if op == "generate":  # streamed: one message per finished chunk, then "done" (or an error, which ends it)
+                for start, part in engine.generate_chunks(RolloutRequest.from_dict(message["request"])):
+                    _send(channel_out, {"ok": True, "chunk": {"start": start, "result": part.to_dict()}})
+                reply = {"ok": True, "done": True, "memory": release_memory(args.device)}
             elif op == "load_adapter":
                 reply = {"ok": True, "bound_modules": engine.load_adapter(message["path"], message["version"])}
+            elif op == "load_adapter_tensors":
+                if not hasattr(engine, "load_adapter_tensors"):
+                    raise RuntimeError(f"the {engine.name} engine reads adapters from PEFT directories only; use "
+                                       "--rollout_sync disk")
+                reply = {"ok": True, "bound_modules": engine.load_adapter_tensors(message)}
+                release_memory(args.device)
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as e:
@@ -993,6 +1248,7 @@ class _Worker:
     devices: str
     process: subprocess.Popen
     log_path: str
+    ipc_index: int | None = None  # this worker's cuda index of the trainer GPU that shares adapter tensors with it
 
     def stderr_tail(self, lines: int = 30) -> str:
         try:
@@ -1002,26 +1258,134 @@ class _Worker:
             return "<no log>"
 
 
+class PendingRollout:
+    """A request in flight on a `RolloutGroup` (`RolloutGroup.submit`). One reader thread per worker takes the
+    worker's streamed chunks off its pipe as they arrive, so a worker never stalls on a full pipe while the caller
+    does other work (trains, scores), and calls `on_chunk(first_row, part)` from that thread for each chunk (row
+    numbers of the whole request). `wait()` returns the whole result in request order."""
+
+    def __init__(self, group: "RolloutGroup", request: RolloutRequest, blocks: Sequence[tuple[int, int]],
+                 on_chunk: Callable[[int, RolloutResult], None] | None) -> None:
+        self.group, self.request, self.on_chunk = group, request, on_chunk
+        self.workers = list(group.workers[: len(blocks)])
+        self.blocks = list(blocks)                   # (first row, rows) of each worker's share
+        self.submitted_at = time.monotonic()
+        self.last_chunk_at: float | None = None      # when the last chunk arrived (monotonic)
+        self.memory: list[dict[str, float]] = []     # each worker's `release_memory` report
+        self._parts: list[tuple[int, RolloutResult]] = []
+        self._lock = threading.Lock()
+        self._active = [self.submitted_at] * len(blocks)    # last sign of life of each worker
+        self._finished = [threading.Event() for _ in blocks]
+        self._outcome: list[tuple[str, str]] = [("", "")] * len(blocks)  # ("done"|"error"|"died"|"broken", detail)
+        self._callback_error: BaseException | None = None
+        self._threads = [threading.Thread(target=self._read, args=(i,), name=f"rollout-reader-{i}", daemon=True)
+                         for i in range(len(blocks))]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, i: int) -> None:
+        worker, (first, _) = self.workers[i], self.blocks[i]
+        try:
+            while True:
+                message = _recv(worker.process.stdout)
+                self._active[i] = time.monotonic()
+                if not message.get("ok"):
+                    self._outcome[i] = ("error", f"{message.get('error')}\n{message.get('traceback', '')}")
+                    return
+                if message.get("done"):
+                    with self._lock:
+                        self.memory.append(dict(message.get("memory") or {}))
+                    self._outcome[i] = ("done", "")
+                    return
+                row, part = first + int(message["chunk"]["start"]), RolloutResult(**message["chunk"]["result"])
+                with self._lock:
+                    self._parts.append((row, part))
+                    self.last_chunk_at = time.monotonic()
+                if self.on_chunk is not None and self._callback_error is None:
+                    try:
+                        self.on_chunk(row, part)
+                    except BaseException as e:  # noqa: BLE001 - raised by wait(), in the caller's thread
+                        self._callback_error = e
+        except EOFError:
+            self._outcome[i] = ("died", "")
+        except Exception as e:  # a message that cannot be read leaves the channel unusable
+            self._outcome[i] = ("broken", f"{type(e).__name__}: {e}")
+        finally:
+            self._finished[i].set()
+
+    def done(self) -> bool:
+        """Every worker has answered (its last chunk, or an error)."""
+        return all(event.is_set() for event in self._finished)
+
+    def drain(self) -> None:
+        """Wait until every worker has answered this request; the workers are then free for the next one. A worker
+        that dies or stays silent longer than the group's `timeout_s` closes the group (`RolloutError` with its
+        stderr tail); a worker's error reply is kept for `wait()`."""
+        timeout = self.group.timeout_s
+        for i, worker in enumerate(self.workers):
+            while not self._finished[i].wait(1.0):
+                if worker.process.poll() is not None:  # its reader sees the end of the pipe next
+                    self._finished[i].wait(10.0)
+                    break
+                if time.monotonic() - self._active[i] > timeout:
+                    raise self.group._fail(worker, f"did not answer within {timeout:.0f} s during generate")
+            kind, detail = self._outcome[i]
+            if kind in ("died", "") or (kind == "broken" and worker.process.poll() is not None):
+                try:
+                    code = worker.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise self.group._fail(worker, f"died during generate (exit code {code})")
+            if kind == "broken":
+                raise self.group._fail(worker, f"sent an unreadable reply during generate ({detail})")
+        if self.group._pending is self:
+            self.group._pending = None
+
+    def wait(self) -> RolloutResult:
+        """The whole result in request order, once every worker answered (`drain`). A worker's error reply or an
+        exception of `on_chunk` is raised here, after every worker finished (the workers stay usable)."""
+        self.drain()
+        for worker, (kind, detail) in zip(self.workers, self._outcome):
+            if kind == "error":
+                raise RolloutError(f"rollout worker {worker.index} ({worker.devices}) failed during generate: {detail}")
+        if self._callback_error is not None:
+            raise self._callback_error
+        parts = sorted(self._parts, key=lambda item: item[0])
+        rows = [row for row, _ in parts]
+        starts = [0]
+        for _, part in parts[:-1]:
+            starts.append(starts[-1] + len(part))
+        if rows != starts or not parts or starts[-1] + len(parts[-1][1]) != len(self.request):
+            raise RolloutError(f"the rollout workers returned rows {rows} (chunks of {[len(p) for _, p in parts]}) for "
+                               f"a request of {len(self.request)} rows")
+        return RolloutResult.cat([part for _, part in parts])
+
+
 class RolloutGroup:
     """Rollout worker subprocesses, one per entry of `devices`.
 
     devices: e.g. ["cuda:3"] or ["cuda:2", "cuda:3"] (each worker then sees only its GPU through
-    `CUDA_VISIBLE_DEVICES` and runs on cuda:0), or ["cpu", "cpu"] for tests. Requests are split into contiguous
-    row blocks across workers and the results gathered in order. A worker that dies, fails or exceeds `timeout_s`
-    stops the group with a `RolloutError` carrying its stderr tail; `close()` (also on Ctrl-C, at exit, or when the
-    parent dies) leaves no process behind.
+    `CUDA_VISIBLE_DEVICES` and runs on cuda:0; "cuda:k" is this process's cuda:k, see `visible_gpu`), or
+    ["cpu", "cpu"] for tests. ipc_sources: per worker, this process's cuda index of the trainer GPU that will share
+    adapter tensors with it (`load_adapter_tensors`), or None; a GPU other than the worker's own is made visible to
+    it as its cuda:1. Requests are split into contiguous row blocks across workers; each worker streams its results
+    back chunk by chunk (`submit`), gathered in order. A worker that dies, fails or exceeds `timeout_s` stops the
+    group with a `RolloutError` carrying its stderr tail; `close()` (also on Ctrl-C, at exit, or when the parent
+    dies) leaves no process behind.
     """
 
     def __init__(self, model_path: str, devices: Sequence[str], *, engine: str = "native", dtype: str = "float32",
                  max_batch_size: int = 8, timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0,
                  log_dir: str | None = None, threads_per_worker: int = 0, env: dict[str, str] | None = None,
-                 cfg_batch: bool = False) -> None:
+                 cfg_batch: bool = False, ipc_sources: Sequence[int | None] | None = None) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
         if not devices:
             raise ValueError("a rollout group needs at least one device")
         self.timeout_s = timeout_s
         self.workers: list[_Worker] = []
+        self._pending: PendingRollout | None = None
+        self.closed_reason = ""
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="rollout-logs-")
         os.makedirs(self.log_dir, exist_ok=True)
         script = os.path.abspath(__file__)
@@ -1030,10 +1394,10 @@ class RolloutGroup:
                 worker_env = dict(os.environ, **(env or {}))
                 worker_env["PYTHONPATH"] = os.pathsep.join(
                     [os.path.dirname(script)] + [p for p in [worker_env.get("PYTHONPATH")] if p])
-                local_device = device
+                local_device, ipc_index = device, None
                 if device.startswith("cuda"):
-                    gpu_ids = device.split(":", 1)[1] if ":" in device else "0"
-                    worker_env["CUDA_VISIBLE_DEVICES"] = gpu_ids
+                    worker_env["CUDA_VISIBLE_DEVICES"], ipc_index = worker_cuda_devices(
+                        device, None if ipc_sources is None else ipc_sources[index])
                     local_device = "cuda:0"
                 log_path = os.path.join(self.log_dir, f"rollout-worker-{index}.log")
                 log = open(log_path, "ab")
@@ -1044,7 +1408,7 @@ class RolloutGroup:
                 process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                            env=worker_env, bufsize=0)
                 log.close()
-                self.workers.append(_Worker(index, device, process, log_path))
+                self.workers.append(_Worker(index, device, process, log_path, ipc_index))
             for worker in self.workers:
                 reply = self._read(worker, startup_timeout_s, "start-up")
                 if not reply.get("ok"):
@@ -1057,10 +1421,8 @@ class RolloutGroup:
     # ---- plumbing ---------------------------------------------------------------------------------------------
     def _fail(self, worker: _Worker, what: str) -> RolloutError:
         self.close()
-        return RolloutError(
-            f"rollout worker {worker.index} ({worker.devices}) {what}; stderr tail ({worker.log_path}):\n"
-            f"{worker.stderr_tail()}"
-        )
+        self.closed_reason = f"rollout worker {worker.index} ({worker.devices}) {what}"
+        return RolloutError(f"{self.closed_reason}; stderr tail ({worker.log_path}):\n{worker.stderr_tail()}")
 
     def _read(self, worker: _Worker, timeout_s: float, what: str) -> dict:
         stdout = worker.process.stdout
@@ -1084,7 +1446,11 @@ class RolloutGroup:
 
         A worker that dies or hangs closes the group. A worker that reports an error (e.g. a request that
         violates the contract) stays alive: all replies are drained first, then the first error is raised.
+        A submitted request still sampling is finished first (its results stay with its `PendingRollout`).
         """
+        self._finish_pending()
+        if not self.workers:
+            raise RolloutError(f"the rollout group is closed{': ' + self.closed_reason if self.closed_reason else ''}")
         for worker, message in zip(self.workers, messages):
             try:
                 _send(worker.process.stdin, message)
@@ -1104,15 +1470,34 @@ class RolloutGroup:
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """Split the request's rows into contiguous blocks, one per worker, and gather the results in order."""
+        return self.submit(request).wait()
+
+    def submit(self, request: RolloutRequest,
+               on_chunk: Callable[[int, RolloutResult], None] | None = None) -> PendingRollout:
+        """Send the request to the workers (contiguous row blocks, one per worker) and return at once; the
+        `PendingRollout` collects the chunks as the workers stream them (`on_chunk(first_row, part)` for each, from a
+        reader thread) and `wait()` gives the whole result. One request is in flight at a time: a new request or
+        any other call first waits until the previous one has finished sampling."""
         request.validate()
+        self._finish_pending()
         if not self.workers:
-            raise RolloutError("the rollout group is closed")
+            raise RolloutError(f"the rollout group is closed{': ' + self.closed_reason if self.closed_reason else ''}")
         n, k = len(request), min(len(self.workers), len(request))
         bounds = [round(i * n / k) for i in range(k + 1)]
-        messages = [{"op": "generate", "request": request.select(range(bounds[i], bounds[i + 1])).to_dict()}
-                    for i in range(k)]
-        replies = self._call_all(messages, "generate")
-        return RolloutResult.cat([RolloutResult(**r["result"]) for r in replies])
+        for i, worker in enumerate(self.workers[:k]):
+            message = {"op": "generate", "request": request.select(range(bounds[i], bounds[i + 1])).to_dict()}
+            try:
+                _send(worker.process.stdin, message)
+            except (BrokenPipeError, OSError):
+                raise self._fail(worker, "is gone (could not send generate)") from None
+        self._pending = PendingRollout(self, request, [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(k)],
+                                       on_chunk)
+        return self._pending
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.drain()
 
     def load_adapter(self, adapter_dir: str, version: str) -> list[int]:
         """Every worker loads the PEFT adapter directory; returns each worker's bound-module count."""
@@ -1120,8 +1505,30 @@ class RolloutGroup:
                                  "load_adapter")
         return [int(r["bound_modules"]) for r in replies]
 
+    def load_adapter_tensors(self, shares: Sequence[dict[str, Any]], layout: list, config: dict[str, Any],
+                             version: str) -> list[int]:
+        """Every worker binds the adapter tensors of its trainer rank's `AdapterBuffer` (`shares[i]` = that buffer's
+        `share()`), laid out by `layout` (`adapter_layout`) with the PEFT `config`; no disk round trip. Returns each
+        worker's bound-module count. The message is plain data (CUDA IPC handles are bytes); a CUDA IPC handle needs
+        the same torch on both sides, which the worker checks."""
+        messages = []
+        for worker, share in zip(self.workers, shares):
+            source = dict(share)
+            if source.get("kind") == "cuda_ipc":
+                if worker.ipc_index is None:
+                    raise RolloutError(f"rollout worker {worker.index} ({worker.devices}) was started without "
+                                       "access to a trainer GPU (ipc_sources), so it cannot map CUDA IPC tensors")
+                source["device"] = worker.ipc_index
+            messages.append({"op": "load_adapter_tensors", "version": version, "config": config, "layout": layout,
+                             "source": source, "torch_version": torch.__version__})
+        if len(messages) != self.num_workers:
+            raise RolloutError(f"{len(messages)} adapter shares for {self.num_workers} rollout workers")
+        replies = self._call_all(messages, "load_adapter_tensors")
+        return [int(r["bound_modules"]) for r in replies]
+
     def close(self) -> None:
         """Stop every worker (politely, then SIGKILL); idempotent."""
+        self._pending = None
         workers, self.workers = self.workers, []
         for worker in workers:
             try:
@@ -1158,16 +1565,23 @@ class DistributedRollout:
     `generate` gathers the node's per-rank requests (over a gloo subgroup of the node's ranks), runs them as one
     request and scatters each rank its own rows back. Without torch.distributed it is a plain group.
 
-    Multi-node layout: every node runs `torchrun --nproc_per_node=<trainer GPUs>` and reserves `devices` (e.g.
-    `cuda:3`) for its own rollout workers; adapter directories must be on a filesystem all nodes see.
+    Layouts (`node_worker_devices`): `devices` = GPUs reserved for rollout on every node (e.g. ["cuda:3"]), or
+    ["colocated"]: one worker per trainer rank of the node, on that rank's GPU (the trainer empties its CUDA cache
+    before each rollout, the worker after each request). Multi-node: every node runs `torchrun
+    --nproc_per_node=<trainer GPUs>`; disk adapter versions must be on a filesystem all nodes see.
+
+    Besides `generate`, the trainers use `submit` / `collect` (the rollout runs while the driver scores finished
+    chunks, or while the ranks train: `--rollout_policy_lag`) and `load_adapter_tensors` (`sync` = "tensors": each
+    worker gets the adapter from a trainer rank of its own node in memory, `AdapterBuffer`).
     """
 
-    def __init__(self, model_path: str, devices: Sequence[str], **group_kwargs: Any) -> None:
+    def __init__(self, model_path: str, devices: Sequence[str], *, trainer_device: str = "cpu", sync: str = "disk",
+                 **group_kwargs: Any) -> None:
         import torch.distributed as dist
 
         self.distributed = dist.is_available() and dist.is_initialized()
         self.node_group, self.node_root = None, 0
-        local_rank = 0
+        local_rank, local_world = 0, 1
         if self.distributed:
             world = dist.get_world_size()
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -1180,6 +1594,22 @@ class DistributedRollout:
             if world > local_world and group_kwargs.get("log_dir"):
                 # nodes share the output directory: each node's workers log into their own folder
                 group_kwargs["log_dir"] = os.path.join(group_kwargs["log_dir"], f"node{dist.get_rank() // local_world}")
+        if COLOCATED in devices and group_kwargs.get("engine", "native") != "native":
+            raise ValueError(f"--rollout_devices {COLOCATED} is for the native engine; the vllm_omni engine manages "
+                             "its GPU memory itself and needs rollout GPUs of its own (e.g. --rollout_devices cuda:3)")
+        devices = node_worker_devices(devices, local_world_size=local_world, trainer_device=trainer_device)
+        self.sync_mode = resolve_sync(sync, engine=group_kwargs.get("engine", "native"), trainer_device=trainer_device,
+                                      devices=devices)
+        self.adapter_sources = adapter_sources(devices, local_world_size=local_world, trainer_device=trainer_device)
+        self.feeds_workers = self.sync_mode == "tensors" and local_rank in self.adapter_sources
+        self._local_rank = local_rank
+        self.device = torch.device(f"cuda:{local_rank}" if trainer_device == "cuda" else "cpu")
+        # a worker samples on this rank's GPU: hand it the cached memory before every rollout
+        self.shares_gpu = trainer_device == "cuda" and local_rank in [gpu_index(d) for d in devices]
+        self.versions_published = 0          # adapter versions loaded so far (`rollout/policy_lag` counts them)
+        self._pending: dict[str, Any] | None = None
+        if self.sync_mode == "tensors" and trainer_device == "cuda":
+            group_kwargs["ipc_sources"] = self.adapter_sources
         self.group, error = None, None
         if local_rank == 0:
             try:
@@ -1206,6 +1636,7 @@ class DistributedRollout:
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """This rank's rows of the node's combined request, in order. Collective over the node's ranks."""
+        self._release_trainer_cache()
         if not self.distributed:
             return self.group.generate(request)
         import torch.distributed as dist
@@ -1248,6 +1679,7 @@ class DistributedRollout:
         if not self.distributed:
             if error:
                 raise RolloutError(error)
+            self.versions_published += 1
             return counts
         import torch.distributed as dist
 
@@ -1255,9 +1687,172 @@ class DistributedRollout:
         dist.broadcast_object_list(box, src=self.node_root, group=self.node_group)
         if box[0]["error"]:
             raise RolloutError(f"adapter {adapter_dir} could not be loaded by the rollout workers: {box[0]['error']}")
+        self.versions_published += 1
         return box[0]["counts"]
 
+    # ---- overlapped rollouts, lagged rollouts and the tensor sync (the trainers' path) ------------------------
+    def _release_trainer_cache(self) -> None:
+        if self.shares_gpu:
+            torch.cuda.empty_cache()
+
+    def _node_gather(self, value: Any) -> list[Any] | None:
+        """Every rank's `value` on the driver (in node-rank order), None elsewhere. Collective over the node."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size(self.node_group) if self.is_driver else None
+        dist.gather_object(value, gathered, dst=self.node_root, group=self.node_group)
+        return gathered
+
+    @property
+    def has_pending(self) -> bool:
+        """A rollout was submitted and not yet collected (on every rank of the node alike)."""
+        return self._pending is not None
+
+    def submit(self, request: RolloutRequest, *, payload: Any = None,
+               consumer: Callable[[list[Any], list[int]], Any] | None = None) -> None:
+        """Start this rank's share of the node's next rollout and return without waiting for it. Collective over the
+        node's ranks: the requests (and each rank's `payload`, plain data such as what scoring needs) go to the
+        driver, which submits them as one request. On the driver, `consumer(payloads, sizes)` (optional) builds the
+        object that sees every chunk as the workers stream it (`on_chunk(first_row, part)`, called from reader
+        threads, rows of the node's combined request) and whose `finish()` returns one value per rank at `collect`
+        (`close()` at the end, in every case). At most one rollout is pending; `collect` ends it. An error on the
+        driver is reported to every rank by `collect`."""
+        if self._pending is not None:
+            raise RolloutError("a rollout is already pending on this rank: collect it first")
+        self._release_trainer_cache()
+        gathered = self._node_gather({"request": request.to_dict(), "payload": payload})
+        state: dict[str, Any] = {"request": request, "versions": self.versions_published,
+                                 "submitted": time.monotonic()}
+        if self.is_driver:
+            try:
+                requests = [RolloutRequest.from_dict(g["request"]) for g in gathered]
+                state["sizes"] = [len(r) for r in requests]
+                if consumer is not None:
+                    state["stream"] = consumer([g["payload"] for g in gathered], state["sizes"])
+                on_chunk = state["stream"].on_chunk if consumer is not None else None
+                state["rollout"] = self.group.submit(RolloutRequest.concat(requests), on_chunk=on_chunk)
+            except Exception as e:  # every rank hears of it at collect
+                state["error"] = e
+        self._pending = state
+
+    def finish_pending(self) -> None:
+        """Driver: wait until the pending rollout's last chunk is in (its consumer may still be working), so that
+        the workers are free, e.g. for the next adapter version. Other ranks: nothing. Errors wait for `collect`."""
+        state = self._pending
+        if state is not None and self.is_driver and "rollout" in state and "error" not in state:
+            try:
+                state["rollout"].drain()
+            except Exception as e:
+                state["error"] = e
+
+    def collect(self, request: RolloutRequest, *, lagged: bool = False) -> tuple[RolloutResult, Any, dict[str, float]]:
+        """This rank's rows of the pending rollout (which must have been submitted with this `request`), the
+        consumer's value for this rank (None without a consumer) and the driver's timings. Collective over the
+        node's ranks. Timings (seconds, wall clock on the node's driver): `timing_s/gen` the wait for the samples
+        from `submit` (or from this call when `lagged`: the samples came while the ranks trained),
+        `timing_s/gen_sampling` submit to last chunk, `timing_s/reward` the consumer's work left after the last chunk
+        (the part not hidden behind sampling), `timing_s/reward_total` the consumer's busy span (`busy_s()`);
+        `rollout/policy_lag` the adapter versions loaded since the submit; `rollout/worker_mem_*_gib` the largest
+        worker's CUDA peak / held memory after the request."""
+        state = self._pending
+        if state is None:
+            raise RolloutError("collect: no rollout is pending (submit one first)")
+        if state["request"].seeds != request.seeds or state["request"].prompts != request.prompts:
+            raise RolloutError("collect: the pending rollout was submitted for other rows (seeds or prompts differ)")
+        self._pending = None
+        began = time.monotonic()
+        lag = {"rollout/policy_lag": float(self.versions_published - state["versions"])}
+        parts: list[Any] = []
+        driver_error: Exception | None = None
+        if self.is_driver:
+            stream = state.get("stream")
+            try:
+                if "error" in state:
+                    raise state["error"]
+                pending = state["rollout"]
+                result = pending.wait()
+                sampled = pending.last_chunk_at or time.monotonic()
+                values = stream.finish() if stream is not None else [None] * len(state["sizes"])
+                scored = time.monotonic()
+                stats = {"timing_s/gen": max(0.0, sampled - (began if lagged else state["submitted"])),
+                         "timing_s/gen_sampling": sampled - state["submitted"]}
+                if stream is not None:
+                    stats["timing_s/reward"] = max(0.0, scored - max(sampled, began))
+                    stats["timing_s/reward_total"] = float(stream.busy_s())
+                for key in ("peak_gib", "reserved_gib"):
+                    held = [m[key] for m in pending.memory if key in m]
+                    if held:
+                        stats[f"rollout/worker_mem_{key.replace('_gib', '')}_gib"] = max(held)
+                start = 0
+                for size, value in zip(state["sizes"], values):
+                    parts.append({"result": result.select(range(start, start + size)).to_dict(), "value": value,
+                                  "stats": stats})
+                    start += size
+            except Exception as e:  # every rank of the node must hear about it, not hang in the scatter
+                driver_error = e
+                parts = [{"error": f"{type(e).__name__}: {e}"}] * len(state.get("sizes") or [None] * self._node_size())
+            finally:
+                if stream is not None:
+                    stream.close()
+        if self.distributed:
+            import torch.distributed as dist
+
+            box: list[Any] = [None]
+            dist.scatter_object_list(box, parts if self.is_driver else None, src=self.node_root,
+                                     group=self.node_group)
+            mine_part = box[0]
+        else:
+            mine_part = parts[0]
+        if driver_error is not None:
+            raise driver_error
+        if "error" in mine_part:
+            raise RolloutError(f"rollout or its scoring failed on this node: {mine_part['error']}")
+        return RolloutResult(**mine_part["result"]), mine_part["value"], {**mine_part["stats"], **lag}
+
+    def _node_size(self) -> int:
+        if not self.distributed:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.node_group)
+
+    def load_adapter_tensors(self, buffer: AdapterBuffer | None, layout: list, config: dict[str, Any],
+                             version: str) -> list[int]:
+        """The tensor sync: every worker of the node binds the adapter from its source rank's `buffer`
+        (`adapter_sources`; None on ranks that feed no worker) without a disk round trip; returns this node's
+        per-worker bound-module counts on every rank of the node. Collective over the node's ranks; the buffers
+        may be freed once it returns."""
+        # one share per worker fed: each CUDA IPC share carries its own reference count for its reader
+        fed = self.adapter_sources.count(self._local_rank)
+        shares = self._node_gather([buffer.share() for _ in range(fed)] if buffer is not None else None)
+        counts: Any = None
+        error = None
+        if self.is_driver:
+            try:
+                missing = sorted({s for s in self.adapter_sources if not shares[s]})
+                if missing:
+                    raise RolloutError(f"local ranks {missing} shared no adapter tensors")
+                counts = self.group.load_adapter_tensors([shares[s].pop() for s in self.adapter_sources], layout,
+                                                         config, version)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        if self.distributed:
+            import torch.distributed as dist
+
+            box = [{"counts": counts, "error": error}]
+            dist.broadcast_object_list(box, src=self.node_root, group=self.node_group)
+            counts, error = box[0]["counts"], box[0]["error"]
+        if error:
+            raise RolloutError(f"adapter {version} (tensors) could not be loaded by the rollout workers: {error}")
+        self.versions_published += 1
+        return counts
+
     def close(self) -> None:
+        state, self._pending = self._pending, None
+        if state is not None and state.get("stream") is not None:  # a rollout never collected (the run stopped)
+            state["stream"].close()
         if self.group is not None:
             self.group.close()
 

@@ -7,8 +7,9 @@ Qwen-Image.
 One rollout step:
   1. rollout: the rollout workers sample with the current policy (`default` adapter) and a Flow-SDE window
      (noise_level inside the window, Euler outside), storing the window's latents, timesteps (1000·σ) and log-probs;
-  2. rewards -> group advantages over the global batch (verl-omni's estimator: unbiased std over the reward
-     repeated across the W stored steps);
+     the rewards are scored as each chunk finishes, while the next chunk samples;
+  2. group advantages over the global batch (verl-omni's estimator: unbiased std over the reward repeated across
+     the W stored steps);
   3. old log-probs and transition means are RECOMPUTED by the trainer with the same weights before the update, so
      the first mini-batch has ratio = 1 exactly (the rollout's own log-probs only feed the rollout_corr/* check);
      with --old_log_probs rollout (verl-omni's bypass mode) the rollout's own log-probs and means are used instead,
@@ -93,20 +94,17 @@ def main(argv=None) -> None:
         rows = [run.train_data[i] for i in batch.local]
         n_local = len(rows) * args.rollout_n
 
-        # 1. SDE rollout with the current policy
-        with T.timer("gen", timings):
-            request = T.rollout_request(
-                rows, n=args.rollout_n, first_row=rank * n_local, seed=args.seed, step=step,
-                num_inference_steps=args.num_inference_steps, height=args.height, width=args.width,
-                family=model.family, scale=scale, noise_level=args.noise_level, sde_type=args.sde_type,
-                sde_window_size=args.sde_window_size, sde_window_range=window_range, return_log_probs=True,
-                return_trajectory=True)
-            result = run.rollout.generate(request)
+        # 1. SDE rollout with the current policy and its rewards, scored as chunks finish
+        request = T.rollout_request(
+            rows, n=args.rollout_n, first_row=rank * n_local, seed=args.seed, step=step,
+            num_inference_steps=args.num_inference_steps, height=args.height, width=args.width,
+            family=model.family, scale=scale, noise_level=args.noise_level, sde_type=args.sde_type,
+            sde_window_size=args.sde_window_size, sde_window_range=window_range, return_log_probs=True,
+            return_trajectory=True)
+        result, scored = T.rollout_and_score(run, request, rows, timings)
         num_w = result.all_timesteps.shape[1]
 
-        # 2. rewards -> advantages (std over the reward repeated across the W stored steps)
-        with T.timer("reward", timings):
-            scored = T.score_samples(run.scorer, result.images, rows, args.rollout_n)
+        # 2. advantages (std over the reward repeated across the W stored steps)
         with T.timer("adv", timings):
             advantages, metrics = T.global_advantages(scored, args.rollout_n, global_std=args.global_std,
                                                       norm_by_std=args.norm_adv_by_std, num_steps=num_w)

@@ -5,9 +5,11 @@
 
 One rollout step:
   1. rollout: each node's local rank 0 sends its ranks' prompts (x rollout_n) to the node's rollout workers, which
-     sample with the `old` adapter and a deterministic ODE (Euler) sampler, with the model's CFG;
-  2. rewards (chosen by each row's data_source) -> group advantages over the global batch (global std) ->
-     DiffusionNFT optimality probabilities r = clamp(A, -C, C) / 2C + 1/2;
+     sample with the `old` adapter and a deterministic ODE (Euler) sampler, with the model's CFG; the rewards
+     (chosen by each row's data_source) are scored as each chunk finishes, while the next chunk samples. With
+     --rollout_policy_lag 1 the next step's rollout samples (with the same `old`) while this step trains;
+  2. group advantages over the global batch (global std) -> DiffusionNFT optimality probabilities
+     r = clamp(A, -C, C) / 2C + 1/2;
   3. update: per sample K training timesteps (integer 1000·σ of the rollout schedule, one fixed-seed permutation
      per row), x_t = (1 - t) x0 + t ε with fresh ε, forwards of the `old` adapter, the `default` adapter (with
      grad) and, when ref_kl_coef > 0, the base model (adapters off) - each through the model wrapper, so Boogu is
@@ -57,9 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     # verl-omni's Qwen-Image DiffusionNFT recipe and config default: no CFG (true_cfg_scale=1.0); train_dppo.py
     # keeps Qwen-Image's 4.0. An explicit --true_cfg_scale wins; Boogu-Image's guidance_scale default is unchanged.
     parser.set_defaults(qwen_true_cfg_default=1.0)
+    g.add_argument("--rollout_policy_lag", type=int, default=0, choices=[0, 1],
+                   help="1 = sample step k+1 with `old` while step k trains (one refresh of `old` behind; logged as "
+                        "rollout/policy_lag); needs rollout GPUs no trainer uses; off until a learning comparison "
+                        "says it is free")
     args = parser.parse_args(argv)
     if not args.model_path or not args.train_files:
         parser.error("--model_path and --train_files are required (or $MODEL_PATH / $TRAIN_FILES)")
+    problem = T.check_rollout_lag(args)
+    if problem:
+        parser.error(problem)
     return args
 
 
@@ -75,6 +84,12 @@ def main(argv=None) -> None:
     if args.val_before_train and run.val_data is not None and run.start_step == 0:
         run.validate(0)
 
+    def request_for(rows, step):  # this rank's deterministic ODE rollout of `rows` at `step`
+        return T.rollout_request(
+            rows, n=args.rollout_n, first_row=rank * len(rows) * args.rollout_n, seed=args.seed, step=step,
+            num_inference_steps=args.num_inference_steps, height=args.height, width=args.width,
+            family=model.family, scale=scale, noise_level=0.0)
+
     # ---------------------------------------------------------------- loop
     for step in run.steps():
         step_start, timings = time.perf_counter(), {}
@@ -82,17 +97,13 @@ def main(argv=None) -> None:
         rows = [run.train_data[i] for i in batch.local]
         n_local = len(rows) * args.rollout_n
 
-        # 1. rollout with the `old` adapter, deterministic ODE
-        with T.timer("gen", timings):
-            request = T.rollout_request(
-                rows, n=args.rollout_n, first_row=rank * n_local, seed=args.seed, step=step,
-                num_inference_steps=args.num_inference_steps, height=args.height, width=args.width,
-                family=model.family, scale=scale, noise_level=0.0)
-            result = run.rollout.generate(request)
+        # 1. rollout with the `old` adapter (deterministic ODE) and its rewards, scored as chunks finish
+        result, scored = T.rollout_and_score(run, request_for(rows, step), rows, timings)
+        if T.lag_next_rollout(step, args):  # --rollout_policy_lag 1: step + 1 samples while this step trains
+            next_rows = [run.train_data[i] for i in T.peek_batch(run.sampler).local]
+            T.submit_rollout(run, request_for(next_rows, step + 1), next_rows)
 
-        # 2. rewards -> advantages -> optimality probabilities
-        with T.timer("reward", timings):
-            scored = T.score_samples(run.scorer, result.images, rows, args.rollout_n)
+        # 2. advantages -> optimality probabilities
         with T.timer("adv", timings):
             advantages, metrics = T.global_advantages(scored, args.rollout_n, global_std=args.global_std,
                                                       norm_by_std=args.norm_adv_by_std)

@@ -414,14 +414,31 @@ def import_adapter(
     adapter_name: str = "default",
     block_prefixes: Sequence[str] | None = None,
 ) -> int:
-    """Load a PEFT adapter directory (trainer or vllm-omni names) into `transformer` as `adapter_name`.
-
-    If the adapter does not exist yet it is injected from the file's config (rank, alpha, target_modules translated
-    to trainer names; validated against `block_prefixes` when given). Raises if any tensor binds to no LoRA module,
-    if a LoRA module of the adapter receives no tensor, or on a shape/rank/alpha mismatch. Returns the number of
-    bound modules.
-    """
+    """Load a PEFT adapter directory (trainer or vllm-omni names) into `transformer` as `adapter_name`
+    (`read_adapter` + `bind_adapter`). Returns the number of bound modules."""
     config, modules = read_adapter(adapter_dir)
+    return bind_adapter(transformer, config, modules, adapter_name=adapter_name, block_prefixes=block_prefixes,
+                        source=adapter_dir)
+
+
+def bind_adapter(
+    transformer: torch.nn.Module,
+    config: dict,
+    modules: dict[str, dict[str, torch.Tensor]],
+    *,
+    adapter_name: str = "default",
+    block_prefixes: Sequence[str] | None = None,
+    source: str = "the adapter",
+) -> int:
+    """Copy LoRA tensors into `transformer`'s adapter `adapter_name`, however they arrived (a PEFT directory read by
+    `read_adapter`, or tensors handed over by the trainer: `rollout.py`'s tensor sync).
+
+    config: the PEFT adapter_config dict; modules: {trainer module path: {"A": (r, in), "B": (out, r)}}. If the
+    adapter does not exist yet it is injected from `config` (rank, alpha, target_modules translated to trainer names;
+    validated against `block_prefixes` when given). Raises, before copying anything, if any tensor binds to no LoRA
+    module, if a LoRA module of the adapter receives no tensor, or on a shape/rank/alpha mismatch; `source` names
+    where the tensors came from in the message. Returns the number of bound modules.
+    """
     layers = lora_layers(transformer, adapter_name)
     if not layers:
         targets = from_engine_targets(config.get("target_modules") or [])
@@ -436,30 +453,33 @@ def import_adapter(
     unbound = sorted(set(modules) - set(layers))
     if unbound:
         raise ValueError(
-            f"{len(unbound)} adapter tensors in {adapter_dir} bind to no LoRA module of adapter {adapter_name!r}: "
+            f"{len(unbound)} adapter tensors in {source} bind to no LoRA module of adapter {adapter_name!r}: "
             f"{unbound[:6]}; the adapter was made for another model or with other target_modules"
         )
     half = sorted(p for p, ab in modules.items() if set(ab) != {"A", "B"})
     if half:
-        raise ValueError(f"{adapter_dir}: modules {half[:6]} lack lora_A or lora_B (both are required)")
+        raise ValueError(f"{source}: modules {half[:6]} lack lora_A or lora_B (both are required)")
     missing = sorted(set(layers) - set(modules))
     if missing:
         raise ValueError(
-            f"{len(missing)} LoRA modules of adapter {adapter_name!r} get no tensor from {adapter_dir}: {missing[:6]}"
+            f"{len(missing)} LoRA modules of adapter {adapter_name!r} get no tensor from {source}: {missing[:6]}"
         )
+    for path, layer in layers.items():  # every check before the first copy: a refused set leaves the adapter as it was
+        a, b = modules[path]["A"], modules[path]["B"]
+        wa, wb = layer.lora_A[adapter_name].weight, layer.lora_B[adapter_name].weight
+        if a.shape != wa.shape or b.shape != wb.shape:
+            raise ValueError(f"{path}: adapter shapes A{tuple(a.shape)} B{tuple(b.shape)} do not match the model's "
+                             f"A{tuple(wa.shape)} B{tuple(wb.shape)} (different rank or model size)")
+        r, alpha = wa.shape[0], config["lora_alpha"]
+        scaling = alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
+        if not math.isclose(layer.scaling[adapter_name], scaling, rel_tol=1e-6):
+            raise ValueError(f"{path}: the model's LoRA scaling {layer.scaling[adapter_name]} differs from the "
+                             f"file's {scaling} (lora_alpha={alpha}, r={r}, use_rslora="
+                             f"{config.get('use_rslora', False)})")
     with torch.no_grad():
         for path, layer in layers.items():
             a, b = modules[path]["A"], modules[path]["B"]
             wa, wb = layer.lora_A[adapter_name].weight, layer.lora_B[adapter_name].weight
-            if a.shape != wa.shape or b.shape != wb.shape:
-                raise ValueError(f"{path}: adapter shapes A{tuple(a.shape)} B{tuple(b.shape)} do not match the model's "
-                                 f"A{tuple(wa.shape)} B{tuple(wb.shape)} (different rank or model size)")
-            r, alpha = wa.shape[0], config["lora_alpha"]
-            scaling = alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
-            if not math.isclose(layer.scaling[adapter_name], scaling, rel_tol=1e-6):
-                raise ValueError(f"{path}: the model's LoRA scaling {layer.scaling[adapter_name]} differs from the "
-                                 f"file's {scaling} (lora_alpha={alpha}, r={r}, use_rslora="
-                                 f"{config.get('use_rslora', False)})")
             wa.copy_(a.to(wa.dtype))
             wb.copy_(b.to(wb.dtype))
     return len(layers)
@@ -495,5 +515,15 @@ def load_adapter(model, adapter_dir: str, *, adapter_name: str = "default") -> i
     the adapter is injected on first use and overwritten in place afterwards. Returns the bound-module count."""
     n = import_adapter(model.transformer, adapter_dir, adapter_name=adapter_name,
                        block_prefixes=model.lora_block_prefixes)
+    set_active_adapter(model.transformer, adapter_name)
+    return n
+
+
+def load_adapter_tensors(model, config: dict, modules: dict[str, dict[str, torch.Tensor]], *,
+                         adapter_name: str = "default", source: str = "the adapter tensors") -> int:
+    """`bind_adapter` into a FlowModel's transformer from tensors already in memory (the rollout workers' tensor
+    sync: the same checks and the same copies as `load_adapter` from a directory). Returns the bound-module count."""
+    n = bind_adapter(model.transformer, config, modules, adapter_name=adapter_name,
+                     block_prefixes=model.lora_block_prefixes, source=source)
     set_active_adapter(model.transformer, adapter_name)
     return n

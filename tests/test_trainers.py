@@ -59,7 +59,8 @@ def test_nft_boogu_t2i_end_to_end_and_checkpoint(demo_data, tiny_models, tmp_pat
     proc = run_trainer("train_nft.py", cli(
         model_path=os.path.join(tiny_models, "boogu_image_base"), train_files=data / "train.parquet",
         val_files=data / "test.parquet", total_training_steps=2, save_freq=2, lr=1e-3,
-        old_policy_decay_schedule="linear_to_0_5", old_policy_update_interval=2, output_dir=out))
+        old_policy_decay_schedule="linear_to_0_5", old_policy_update_interval=2, output_dir=out,
+        rollout_devices="colocated"))
     m = scalars(out)
     # a normal run warns about nothing the project could avoid (deprecated collectives, FSDP2's view warning)
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
@@ -68,8 +69,12 @@ def test_nft_boogu_t2i_end_to_end_and_checkpoint(demo_data, tiny_models, tmp_pat
     for key in ("actor/policy_loss", "actor/positive_loss", "actor/negative_loss", "actor/old_deviate",
                 "actor/reward_prob_mean", "actor/grad_norm", "critic/rewards/mean", "critic/advantages/max",
                 "perf/throughput", "perf/time_per_step", "timing_s/gen", "timing_s/update_actor",
+                "timing_s/gen_sampling", "timing_s/reward", "timing_s/reward_total", "rollout/policy_lag",
                 "val-core/jpeg_compressibility/reward/mean@1", "old_policy/decay"):
         assert key in m, f"{key} not logged; logged: {sorted(m)}"
+    # colocated: one rollout worker per trainer rank (two here), adapters synced in memory
+    assert sorted(os.listdir(out / "rollout_logs")) == ["rollout-worker-0.log", "rollout-worker-1.log"]
+    assert not (out / "rollout_adapters").exists()
     # the old adapter follows the schedule: refreshed on even steps only (interval 2), d = linear_to_0_5(step)
     assert values(m, "old_policy/update_applied") == [0.0, 1.0]
     assert values(m, "old_policy/decay") == pytest.approx([0.0, 0.002])

@@ -19,7 +19,7 @@ __all__ = [
     "ADAPTER_DEFAULT", "ADAPTER_OLD", "adapter_params", "add_lora_adapters", "use_adapter", "transformer_blocks",
     "apply_activation_checkpointing", "checkpointed_block_indices", "mixed_precision_policy", "base_weight_dtype",
     "cast_frozen_base_", "shard_transformer", "prepare_transformer", "adapter_state_dict", "load_adapter_state_",
-    "save_adapter_dir"
+    "save_adapter_dir", "adapter_config_dict"
 ]
 
 
@@ -345,7 +345,13 @@ def save_adapter_dir(state: Mapping[str, torch.Tensor], lora_config, out_dir: st
     """Rank-0 half of an adapter export: write full tensors (from `adapter_state_dict`, gathered on every rank) as a
     PEFT adapter directory with `models.lora.write_adapter_dir` (diffusers' `load_lora_weights` reads it;
     engine_names=True writes vllm-omni names)."""
+    lora.write_adapter_dir(dict(state), adapter_config_dict(lora_config), out_dir, engine_names=engine_names)
+
+
+def adapter_config_dict(lora_config) -> dict:
+    """The PEFT adapter_config dict of `lora_config` in plain JSON types (trainer module names), as an exported
+    adapter directory holds it and the rollout workers' tensor sync sends it."""
     config = json.loads(json.dumps(lora_config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
     config.update(peft_type="LORA", inference_mode=True, use_dora=False, lora_bias=False,
                   target_modules=sorted(lora_config.target_modules))
-    lora.write_adapter_dir(dict(state), config, out_dir, engine_names=engine_names)
+    return config

@@ -357,7 +357,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  dtype=args.rollout_dtype if device.type == "cuda" else "float32",
                                  max_batch_size=args.rollout_max_batch_size, timeout_s=args.rollout_timeout_s,
                                  log_dir=os.path.join(args.output_dir, "rollout_logs"),
-                                 threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch)
+                                 threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch,
+                                 trainer_device=device.type, sync=args.rollout_sync)
     return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,

@@ -1,22 +1,28 @@
-"""The parts of an online RL step both trainers share: flags, rollout requests, rewards, global advantages,
-validation (one code path for in-training validation and scripts/evaluate.py), the adapter sync to the rollout
-workers (with its bound-module check), and adapter paths (`PATH` or `CHECKPOINT:default|old`)."""
+"""The parts of an online RL step both trainers share: flags, rollout requests, the rollout with its rewards
+(scored while it samples), global advantages, validation (one code path for in-training validation and
+scripts/evaluate.py), the adapter sync to the rollout workers (with its bound-module check), and adapter paths
+(`PATH` or `CHECKPOINT:default|old`)."""
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import copy
+import math
 import os
 import re
 import shutil
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 import torch
 import losses
 from models import lora
 
 from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_main_process
-from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_state_dict, base_weight_dtype, load_adapter_state_,
-                    save_adapter_dir)
+from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, _full, _strip_adapter, adapter_config_dict, adapter_params,
+                    adapter_state_dict, base_weight_dtype, load_adapter_state_, save_adapter_dir)
 from .optim import LR_SCHEDULES
 from .checkpoint import MARKER, find_latest
 from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, reward_metrics, timer,
@@ -26,7 +32,9 @@ __all__ = [
     "add_common_args", "resolve_device", "guidance_of", "rollout_request", "score_samples", "global_advantages",
     "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes",
     "resolve_adapter_dir", "adapter_arg", "load_init_adapter", "ValidationOutcome", "run_validation", "validate",
-    "prune_rollout_adapters", "clean_rollout_adapters"
+    "prune_rollout_adapters", "clean_rollout_adapters", "score_inputs", "RewardStream", "rollout_and_score",
+    "submit_rollout", "peek_batch", "lag_next_rollout", "check_rollout_lag", "publish_adapter_tensors",
+    "publish_tensors"
 ]
 
 
@@ -85,8 +93,17 @@ def add_common_args(parser) -> None:
     g = parser.add_argument_group("rollout")
     g.add_argument("--rollout_engine", default="native", choices=["native", "vllm_omni"])
     g.add_argument("--rollout_devices", default="cuda:3",
-                   help="rollout workers of EACH node, comma-separated: e.g. 'cuda:3' (4-GPU node: 3 trainer GPUs), "
-                        "'cuda:2,cuda:3', or 'cpu,cpu' for CPU runs")
+                   help="rollout workers of EACH node: 'colocated' = one worker per trainer GPU, on that GPU (every "
+                        "GPU trains and samples; native engine), or reserved devices, comma-separated: e.g. 'cuda:3' "
+                        "(4-GPU node: 3 trainer GPUs), 'cuda:2,cuda:3', or 'cpu,cpu' for CPU runs (cuda:k = the "
+                        "trainer's cuda:k, i.e. within its CUDA_VISIBLE_DEVICES)")
+    g.add_argument("--rollout_sync", default="auto", choices=["auto", "tensors", "disk"],
+                   help="adapter sync to the rollout workers: 'tensors' = in memory from a trainer rank of the same "
+                        "node (CUDA IPC, or a memory file on CPU), 'disk' = a versioned PEFT directory; auto = "
+                        "tensors for the native engine, disk for vllm-omni")
+    g.add_argument("--no_reward_overlap", dest="reward_overlap", action="store_false",
+                   help="score the rewards on each rank after the whole rollout, instead of on the node's driver as "
+                        "each chunk finishes while the next chunk samples (same rewards either way)")
     g.add_argument("--rollout_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     g.add_argument("--rollout_max_batch_size", type=int, default=16, help="samples per rollout forward")
     g.add_argument("--rollout_timeout_s", type=float, default=3600.0, help="a rollout worker silent longer fails")
@@ -170,12 +187,168 @@ def rollout_request(rows: Sequence[Any], *, n: int, first_row: int, seed: int, s
         num_inference_steps=num_inference_steps, height=height, width=width, **knob, **algo)
 
 
+def score_inputs(rows: Sequence[Any], n: int) -> dict[str, list]:
+    """What `RewardScorer.score_batch` needs besides the images, per sample (each row's fields repeated n times,
+    prompt-major): ground_truths, data_sources, extra_infos. Plain data, so it can travel to the node's driver."""
+    return {"ground_truths": [row.ground_truth for row in rows for _ in range(n)],
+            "data_sources": [row.data_source for row in rows for _ in range(n)],
+            "extra_infos": [row.extra_info for row in rows for _ in range(n)]}
+
+
 def score_samples(scorer, images: torch.Tensor, rows: Sequence[Any], n: int):
     """Rewards (B,) for this rank's samples (prompt-major, n per prompt), chosen by each row's data_source."""
-    gts = [row.ground_truth for row in rows for _ in range(n)]
-    sources = [row.data_source for row in rows for _ in range(n)]
-    infos = [row.extra_info for row in rows for _ in range(n)]
-    return scorer.score_batch(images, gts, sources, infos)
+    return scorer.score_batch(images, **score_inputs(rows, n))
+
+
+class RewardStream:
+    """Scores one node's rollout on the node's driver while it is still sampling (the consumer of
+    `DistributedRollout.submit`): each chunk the workers stream back is scored in a background thread as soon as it
+    arrives, so only the last chunk's scoring is left when sampling ends.
+
+    payloads: each rank's `score_inputs`; sizes: each rank's sample count (the node's combined request is the ranks'
+    rows in order). Where every reward involved scores each image on its own (`scores_rows_independently`: jpeg, the
+    http judge, rapidocr) a chunk is scored at once, in slices cut at rank boundaries, on up to `max_workers` threads
+    (so judge requests of several chunks are in flight together, up to the judge's own concurrency); otherwise
+    (PickScore, the local GenRM batch their images) a rank's rows are scored in ONE call as soon as all of them
+    arrived, exactly the call scoring after the rollout makes. Either way `finish()` returns, per rank, what
+    `score_samples` after the whole rollout returns, bit for bit (tested), and re-raises any reward error (after
+    every call ended): a failing reward is an error, never a zero."""
+
+    def __init__(self, scorer, payloads: Sequence[dict[str, list]], sizes: Sequence[int], *, max_workers: int = 4):
+        self.scorer, self.payloads, self.sizes = scorer, list(payloads), list(sizes)
+        self.offsets = [sum(self.sizes[:r]) for r in range(len(self.sizes))]
+        for payload, size in zip(self.payloads, self.sizes):
+            if any(len(v) != size for v in payload.values()):
+                raise ValueError(f"score inputs of {[len(v) for v in payload.values()]} rows for {size} samples")
+        self.by_chunk = scorer.scores_rows_independently([s for p in self.payloads for s in p["data_sources"]])
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers if self.by_chunk else 1,
+                                                          thread_name_prefix="reward")
+        self.futures: list[list[tuple[int, concurrent.futures.Future]]] = [[] for _ in self.sizes]
+        self.waiting: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.sizes]  # whole-rank path
+        self.spans: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+
+    def on_chunk(self, first_row: int, part) -> None:
+        """A finished chunk (rows [first_row, first_row + len(part)) of the node's request): submit its scoring."""
+        with self.lock:
+            for rank, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+                lo, hi = max(first_row, offset), min(first_row + len(part), offset + size)
+                if lo >= hi:
+                    continue
+                images = part.images[lo - first_row:hi - first_row]
+                if self.by_chunk:
+                    self._submit(rank, lo - offset, hi - offset, images)
+                    continue
+                self.waiting[rank].append((lo - offset, images))
+                if sum(len(im) for _, im in self.waiting[rank]) == size:
+                    ordered = torch.cat([im for _, im in sorted(self.waiting[rank], key=lambda item: item[0])])
+                    self.waiting[rank] = []
+                    self._submit(rank, 0, size, ordered)
+
+    def _submit(self, rank: int, lo: int, hi: int, images: torch.Tensor) -> None:
+        inputs = {key: values[lo:hi] for key, values in self.payloads[rank].items()}
+        self.futures[rank].append((lo, self.pool.submit(self._score, images, inputs)))
+
+    def _score(self, images: torch.Tensor, inputs: dict[str, list]):
+        start = time.monotonic()
+        try:
+            return self.scorer.score_batch(images, **inputs)
+        finally:
+            with self.lock:
+                self.spans.append((start, time.monotonic()))
+
+    def finish(self) -> list[Any]:
+        """Each rank's `RewardResult` (its rows in order), once every scoring call ended; the first error raises."""
+        import rewards
+
+        concurrent.futures.wait([f for futures in self.futures for _, f in futures])
+        for futures in self.futures:
+            for _, future in futures:
+                if future.exception() is not None:
+                    raise future.exception()
+        out = []
+        for rank, futures in enumerate(self.futures):
+            futures = sorted(futures, key=lambda item: item[0])
+            scored = [f.result() for _, f in futures]
+            if sum(r.rewards.shape[0] for r in scored) != self.sizes[rank]:
+                raise RuntimeError(f"rank {rank}: {sum(r.rewards.shape[0] for r in scored)} of its {self.sizes[rank]} "
+                                   "samples were scored (the rollout did not return all of them)")
+            out.append(rewards.RewardResult.cat(scored))
+        return out
+
+    def busy_s(self) -> float:
+        """Wall time from the first scoring call's start to the last one's end (0 before any)."""
+        with self.lock:
+            return max(e for _, e in self.spans) - min(b for b, _ in self.spans) if self.spans else 0.0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def submit_rollout(run, request, rows: Sequence[Any]) -> None:
+    """Start the rollout of `request` (this rank's `rows` x rollout_n) without waiting for it; with reward overlap
+    (the default) its chunks are scored on the node's driver as they finish (`RewardStream`). Collective."""
+    overlap = run.args.reward_overlap
+    scorer = run.scorer
+    run.rollout.submit(request, payload=score_inputs(rows, run.args.rollout_n) if overlap else None,
+                       consumer=(lambda payloads, sizes: RewardStream(scorer, payloads, sizes)) if overlap else None)
+
+
+def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, float]):
+    """This step's samples and their rewards: (RolloutResult, RewardResult) for this rank's `rows` x rollout_n, the
+    same whether the rewards are scored while later chunks still sample (default) or after the whole rollout
+    (--no_reward_overlap). Collects the rollout `submit_rollout` started one step earlier for this request
+    (`--rollout_policy_lag 1`), else submits it now. Adds `timing_s/{gen,gen_sampling,reward,reward_total}`,
+    `rollout/policy_lag`, the workers' memory (see `DistributedRollout.collect`) and `rollout/adapter_version` (the
+    step whose adapter the workers sampled with, as they report it) to `timings`. Collective."""
+    lagged = run.rollout.has_pending
+    if not lagged:
+        submit_rollout(run, request, rows)
+    result, scored, stats = run.rollout.collect(request, lagged=lagged)
+    if scored is None:  # --no_reward_overlap: each rank scores its own samples now
+        start = time.perf_counter()
+        scored = score_samples(run.scorer, result.images, rows, run.args.rollout_n)
+        stats["timing_s/reward"] = stats["timing_s/reward_total"] = time.perf_counter() - start
+    version = result.metadata.get("adapter_version")  # as the workers report it: "v<step>" (sync_rollout_adapter)
+    if isinstance(version, str) and version[1:].isdigit():
+        stats["rollout/adapter_version"] = float(version[1:])
+    timings.update(stats)
+    return result, scored
+
+
+def peek_batch(sampler):
+    """The batch `sampler.next_batch()` will return next, without moving the sampler (its checkpointed cursor
+    keeps counting completed steps only)."""
+    return copy.copy(sampler).next_batch()
+
+
+def lag_next_rollout(step: int, args) -> bool:
+    """--rollout_policy_lag 1: submit step + 1's rollout now, to sample while this step trains? Not after the last
+    step, and not on a step that writes a checkpoint, so that no rollout is pending at any checkpoint and --resume
+    continues exactly (the step after a checkpoint samples unlagged, in the resumed run as in the uninterrupted
+    one)."""
+    return bool(getattr(args, "rollout_policy_lag", 0)) and step < args.total_training_steps \
+        and step % args.save_freq != 0
+
+
+def check_rollout_lag(args) -> str | None:
+    """Why --rollout_policy_lag 1 cannot run with these flags (None when it can): sampling step k+1 while step k
+    trains needs rollout GPUs that no trainer rank uses; on a shared GPU both would run at once, in one GPU's memory."""
+    if not getattr(args, "rollout_policy_lag", 0):
+        return None
+    devices = [d.strip() for d in args.rollout_devices.split(",")]
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    import rollout
+
+    shared = [d for d in devices if d == rollout.COLOCATED or (rollout.gpu_index(d) is not None
+                                                                 and rollout.gpu_index(d) < local_world)]
+    if shared and resolve_device(args.device) == "cuda":
+        return (f"--rollout_policy_lag 1 needs rollout GPUs of their own: --rollout_devices {args.rollout_devices} "
+                f"puts workers on trainer GPUs ({', '.join(shared)}; this node trains on "
+                f"cuda:0..cuda:{local_world - 1}), where the lagged rollout would sample during the update on the same "
+                "GPU; reserve rollout GPUs "
+                "(e.g. --rollout_devices cuda:3 with 3 trainer ranks) or drop the lag")
+    return None
 
 
 def global_advantages(scored, n: int, *, global_std: bool, norm_by_std: bool,
@@ -202,14 +375,22 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
     otherwise leave the rollout sampling an old policy while the run looks healthy). `label`: the workers' adapter
     version name (default "v<version>"). Collective."""
     timings: dict[str, float] = {}
+    if rollout_client.has_pending:  # a lagged rollout still samples with the last version: this one comes after it
+        with timer("gen_lag_wait", timings):
+            rollout_client.finish_pending()
     with timer("update_weights", timings):
-        state = adapter_state_dict(transformer, adapter, all_ranks=False)  # only rank 0 writes
-        path = os.path.join(root, f"v{version:08d}")
-        if is_main_process():  # an atomic write: workers never see a half-written version
-            save_adapter_dir(state, lora_config, path, engine_names=engine_names)
-            prune_rollout_adapters(root, version, keep)
-        barrier()
-        counts = rollout_client.load_adapter(path, label or f"v{version}")
+        if rollout_client.sync_mode == "tensors":  # no disk round trip: each node's workers get them in memory
+            path = f"(tensors of {label or f'v{version}'})"
+            counts = publish_adapter_tensors(rollout_client, transformer, adapter, lora_config,
+                                             label or f"v{version}")
+        else:
+            state = adapter_state_dict(transformer, adapter, all_ranks=False)  # only rank 0 writes
+            path = os.path.join(root, f"v{version:08d}")
+            if is_main_process():  # an atomic write: workers never see a half-written version
+                save_adapter_dir(state, lora_config, path, engine_names=engine_names)
+                prune_rollout_adapters(root, version, keep)
+            barrier()
+            counts = rollout_client.load_adapter(path, label or f"v{version}")
     bad = [c for c in counts if c != expected_modules]
     if bad:
         raise RuntimeError(
@@ -255,6 +436,41 @@ def clean_rollout_adapters(root: str) -> str | None:
     versions = [n for n in names if _VERSION_DIR.match(n)]
     return (f"removed {len(names)} entries left by an earlier run from {root} (rollout adapter versions "
             f"{versions[0] + '..' + versions[-1] if versions else 'none'}; they are re-published from the weights)")
+
+
+def publish_adapter_tensors(rollout_client, transformer, adapter: str, lora_config, version: str) -> list[int]:
+    """The tensor sync of `adapter`: every rank gathers each LoRA tensor (FSDP2 `full_tensor`, collective); the
+    ranks that feed a worker (`rollout_client.feeds_workers`) copy it into their `AdapterBuffer`, and every node's
+    workers bind the buffer of their source rank. Returns this node's per-worker bound-module counts. Collective."""
+    params = adapter_params(transformer, adapter)
+    layout = [(_strip_adapter(name, adapter), tuple(p.shape)) for name, p in params]
+    return publish_tensors(rollout_client, layout, (_full(p.detach()) for _, p in params),
+                           adapter_config_dict(lora_config), version)
+
+
+def publish_tensors(rollout_client, layout: Sequence[tuple[str, Sequence[int]]], tensors: Iterable[torch.Tensor],
+                    config: dict, version: str) -> list[int]:
+    """Hand the adapter tensors `tensors` (one per `layout` entry, (key, shape), in order; consumed on every rank,
+    as gathering them may be collective) to the rollout workers through one flat float32 buffer per source rank
+    (`rollout.AdapterBuffer` on `rollout_client.device`), freed after every worker bound it. Collective."""
+    import rollout
+
+    plain = rollout.adapter_layout(layout)
+    buffer = rollout.AdapterBuffer(rollout.layout_numel(plain), rollout_client.device) \
+        if rollout_client.feeds_workers else None
+    try:
+        offset = 0
+        for (key, shape), full in zip(plain, tensors, strict=True):
+            n = math.prod(shape)
+            if tuple(full.shape) != tuple(shape):
+                raise ValueError(f"adapter tensor {key}: shape {tuple(full.shape)}, the layout says {tuple(shape)}")
+            if buffer is not None:
+                buffer.tensor[offset:offset + n].copy_(full.reshape(-1))
+            offset += n
+        return rollout_client.load_adapter_tensors(buffer, plain, config, version)
+    finally:
+        if buffer is not None:
+            buffer.close()
 
 
 def parse_lora_init(value: str) -> bool | str:
