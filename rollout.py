@@ -4,7 +4,9 @@ rollout worker subprocesses on GPUs reserved for rollout.
 The trainers build a `RolloutRequest` (one prompt per sample, already repeated `n` times per group), hand it to a
 `RolloutGroup`, and get a `RolloutResult` back in request order. Each worker process owns one engine on its own
 device(s) (`CUDA_VISIBLE_DEVICES` set per worker) and loads LoRA adapters from the same PEFT directories a
-vllm-omni engine would read. Everything that crosses the process boundary is CPU tensors.
+vllm-omni engine would read. Everything that crosses the process boundary is plain data (CPU tensors and built-in
+types, read with `torch.load(weights_only=True)`), so the workers may run another Python environment
+(`--rollout_python`, e.g. vllm-omni's own torch stack); a start-up handshake refuses a peer of another protocol.
 
 Sampling (native engine), per sample b with its own generator g_b seeded from `seeds[b]`:
   1. initial noise from g_b (model-native layout, fp32); for edit, the reference VAE latents are sampled next
@@ -150,6 +152,14 @@ def rl_denoise(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _check_keys(cls: type, data: dict[str, Any], what: str) -> None:
+    """ValueError listing the keys of `data` that are not fields of the dataclass `cls`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; valid keys: {sorted(names)}")
+
+
 @dataclass
 class RolloutRequest:
     """One batch of samples to generate (all at one size and step count).
@@ -193,10 +203,7 @@ class RolloutRequest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
         """Build from a plain dict; unknown keys are an error (a typo must not silently use a default)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown rollout request keys {unknown}; valid keys: {sorted(names)}")
+        _check_keys(cls, data, "rollout request")
         request = cls(**data)
         request.validate()
         return request
@@ -314,10 +321,7 @@ class RolloutResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RolloutResult":
         """Build from a plain dict; unknown keys are an error (a peer of another layout must not half-parse)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown rollout result keys {unknown}; valid keys: {sorted(names)}")
+        _check_keys(cls, data, "rollout result")
         return cls(**data)
 
     @staticmethod
