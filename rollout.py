@@ -4,7 +4,9 @@ rollout worker subprocesses on GPUs reserved for rollout.
 The trainers build a `RolloutRequest` (one prompt per sample, already repeated `n` times per group), hand it to a
 `RolloutGroup`, and get a `RolloutResult` back in request order. Each worker process owns one engine on its own
 device(s) (`CUDA_VISIBLE_DEVICES` set per worker) and loads LoRA adapters from the same PEFT directories a
-vllm-omni engine would read. Everything that crosses the process boundary is CPU tensors.
+vllm-omni engine would read. Everything that crosses the process boundary is plain data (CPU tensors and built-in
+types, read with `torch.load(weights_only=True)`), so the workers may run another Python environment
+(`--rollout_python`, e.g. vllm-omni's own torch stack); a start-up handshake refuses a peer of another protocol.
 
 Sampling (native engine), per sample b with its own generator g_b seeded from `seeds[b]`:
   1. initial noise from g_b (model-native layout, fp32); for edit, the reference VAE latents are sampled next
@@ -157,6 +159,14 @@ def rl_denoise(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _check_keys(cls: type, data: dict[str, Any], what: str) -> None:
+    """ValueError listing the keys of `data` that are not fields of the dataclass `cls`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown {what} keys {unknown}; valid keys: {sorted(names)}")
+
+
 @dataclass
 class RolloutRequest:
     """One batch of samples to generate (all at one size and step count).
@@ -189,17 +199,18 @@ class RolloutRequest:
     generator_device: str = "cpu"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields (no copies; `dataclasses.asdict` would deep-copy every reference image), for
-        the process boundary: `from_dict` rebuilds it."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Plain dict of the fields for the process boundary (`from_dict` rebuilds it): reference images become
+        uint8 (3, H, W) tensors (a PIL image is converted to RGB; tensors pass uncopied), so the message holds
+        plain tensors and built-in types only (`check_plain`)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.images is not None:
+            data["images"] = [None if im is None else image_to_uint8(im) for im in self.images]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
         """Build from a plain dict; unknown keys are an error (a typo must not silently use a default)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown rollout request keys {unknown}; valid keys: {sorted(names)}")
+        _check_keys(cls, data, "rollout request")
         request = cls(**data)
         request.validate()
         return request
@@ -314,8 +325,14 @@ class RolloutResult:
         return Conditioning(PromptEmbeds(self.prompt_embeds, self.prompt_mask), negative, self.ref_latents).to(device)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields (no copies), for the process boundary: `RolloutResult(**d)` rebuilds it."""
+        """Plain dict of the fields (no copies), for the process boundary: `from_dict` rebuilds it."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RolloutResult":
+        """Build from a plain dict; unknown keys are an error (a peer of another layout must not half-parse)."""
+        _check_keys(cls, data, "rollout result")
+        return cls(**data)
 
     @staticmethod
     def cat(parts: Sequence["RolloutResult"]) -> "RolloutResult":
@@ -792,6 +809,10 @@ class VllmOmniEngine:
         if not str(device).startswith("cuda"):
             raise ValueError(f"the vllm_omni engine runs on CUDA GPUs only, got device={device!r}; use the native "
                              "engine on CPU")
+        if not torch.cuda.is_available():  # fail here, plainly, not deep inside AsyncOmni's stage start-up
+            raise RuntimeError(f"vllm_omni needs CUDA: torch {torch.__version__} in {sys.executable} sees no CUDA GPU "
+                               f"(device={device!r}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                               "run the rollout workers on a GPU node or use --rollout_engine native")
         from models import model_family
 
         self.family = model_family(model_path)
@@ -1140,17 +1161,65 @@ def release_memory(device: str) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Worker processes: length-prefixed pickled messages over stdin/stdout
+# Worker processes: length-prefixed messages over stdin/stdout, holding plain tensors and built-in types only
 # ---------------------------------------------------------------------------------------------------------
 
-_HEADER = struct.Struct("<Q")
+# The trainer and its workers may run different Python environments (--rollout_python: e.g. vllm-omni's own torch
+# 2.13 stack beside the trainer's torch 2.14), so every message is version-neutral: CPU tensors, None, bool, int,
+# float, str, bytes, and lists / tuples / str-keyed dicts of those, written by torch.save and read back with
+# torch.load(weights_only=True) (no pickled classes, so no import of the sender's code on the receiver), then
+# checked again. Bump PROTOCOL_VERSION whenever a message's layout or meaning changes: the start-up handshake
+# refuses a peer that speaks another version.
+PROTOCOL_VERSION = 1
+_MAGIC = b"FRLW"
+_HEADER = struct.Struct("<4sQ")  # magic, payload length
+_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)  # bytes: CUDA IPC handles
+
+
+class ProtocolError(RuntimeError):
+    """A message that is not plain data (refused whole; the channel stays in step)."""
+
+
+class ChannelBroken(ProtocolError):
+    """Bytes that are not a frame of this protocol (the channel is out of step and must be closed)."""
+
+
+def check_plain(value: Any, path: str = "message") -> None:
+    """Raise `ProtocolError` naming the first value (by its path) that is not plain data.
+
+    Plain: None, bool, int, float, str, bytes (exact types: numpy scalars, enums and other subclasses are refused), dense
+    CPU `torch.Tensor`s (exact type: no Parameters or subclasses), and list / tuple / dict (str keys) of plain values.
+    """
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
+        return
+    if kind is torch.Tensor:
+        if value.device.type != "cpu" or value.layout != torch.strided:
+            raise ProtocolError(f"{path}: only dense CPU tensors cross the rollout channel, got a {value.layout} "
+                                f"tensor on {value.device}")
+        return
+    if kind in (list, tuple):
+        for i, item in enumerate(value):
+            check_plain(item, f"{path}[{i}]")
+        return
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str:
+                raise ProtocolError(f"{path}: dict keys must be str, got {type(key).__name__} {key!r:.60}")
+            check_plain(item, f"{path}[{key!r}]")
+        return
+    raise ProtocolError(f"{path}: {kind.__module__}.{kind.__qualname__} cannot cross the rollout channel (plain "
+                        "tensors, None, bool, int, float, str, bytes, list, tuple and str-keyed dict only; convert it, "
+                        "e.g. a PIL image to a uint8 (3, H, W) tensor, a numpy value to a tensor or a Python number)")
 
 
 def _send(stream, message: Any) -> None:
+    """Write one message (refused with `ProtocolError` before anything is written unless it is plain data)."""
+    check_plain(message)
     buffer = io.BytesIO()
     torch.save(message, buffer)
     payload = buffer.getvalue()
-    stream.write(_HEADER.pack(len(payload)))
+    stream.write(_HEADER.pack(_MAGIC, len(payload)))
     stream.write(payload)
     stream.flush()
 
@@ -1167,9 +1236,64 @@ def _read_exact(stream, size: int) -> bytes:
 
 
 def _recv(stream) -> Any:
-    """One message; works on buffered and raw (short-reading) streams. Only our own processes are peers."""
-    (length,) = _HEADER.unpack(_read_exact(stream, _HEADER.size))
-    return torch.load(io.BytesIO(_read_exact(stream, length)), weights_only=False)
+    """One message; works on buffered and raw (short-reading) streams.
+
+    The payload is read with `torch.load(weights_only=True)` (no arbitrary classes are ever unpickled) and then
+    checked by `check_plain` (weights_only also admits e.g. OrderedDict, torch.Size, dtypes, Parameters): anything
+    else raises `ProtocolError` after the whole frame was consumed, so the channel stays usable."""
+    magic, length = _HEADER.unpack(_read_exact(stream, _HEADER.size))
+    if magic != _MAGIC:
+        raise ChannelBroken(f"the peer sent bytes that are not a rollout-channel frame (magic {magic!r}, expected "
+                            f"{_MAGIC!r}): something else wrote to the channel, or the peer is not a flowrl rollout "
+                            "worker")
+    payload = _read_exact(stream, length)
+    try:
+        message = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+    except Exception as e:  # pickle.UnpicklingError for a forbidden global; anything else is a corrupt payload
+        text = str(e)
+        reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else text
+        reason = reason.strip().split(" was not an allowed global")[0]  # "Unsupported global: GLOBAL numpy...."
+        raise ProtocolError(f"refused a message that is not plain tensors / built-in types "
+                            f"({type(e).__name__}: {reason[:300]})") from None
+    check_plain(message, "received message")
+    return message
+
+
+def _distribution_version(name: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def peer_info() -> dict[str, Any]:
+    """This side's handshake: protocol version, interpreter, and the versions of the libraries a worker uses
+    (read from the installed distributions, nothing is imported)."""
+    import platform
+
+    info: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "executable": sys.executable,
+                            "python": platform.python_version(), "torch": str(torch.__version__)}
+    for name in ("diffusers", "transformers", "peft", "vllm", "vllm-omni"):
+        info[name] = _distribution_version(name)
+    return info
+
+
+def _describe(info: dict[str, Any]) -> str:
+    return (f"rollout protocol {info.get('protocol')!r} (python {info.get('python')}, torch {info.get('torch')}, "
+            f"{info.get('executable')})")
+
+
+def handshake_error(ours: dict[str, Any], theirs: Any, *, peer: str) -> str | None:
+    """Why a peer's handshake is unacceptable, or None. `peer` names the other side ("the rollout worker")."""
+    if type(theirs) is not dict or theirs.get("op") != "hello" or "protocol" not in theirs:
+        return (f"{peer} did not open with a protocol handshake (it runs an older or foreign rollout.py); this side "
+                f"speaks {_describe(ours)}: run the same flowrl checkout on both sides")
+    if theirs["protocol"] != ours["protocol"]:
+        return (f"{peer} speaks {_describe(theirs)}, this side speaks {_describe(ours)}: incompatible message "
+                "formats; run the same flowrl checkout on both sides")
+    return None
 
 
 def _die_with_parent() -> None:
@@ -1181,6 +1305,112 @@ def _die_with_parent() -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+
+
+def _private_stdout():
+    """The channel: a private copy of fd 1, with fd 1 itself (and sys.stdout) pointed at stderr, so nothing a
+    library prints, from Python or C, or from a child process it starts, can corrupt the message stream."""
+    channel = os.fdopen(os.dup(1), "wb")  # os.dup's fd is not inherited by child processes
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+PROBE_MARKER = "FLOWRL_ROLLOUT_PROBE "
+
+
+def _import_engine(engine: str) -> None:
+    """Import everything the engine's worker needs (ImportError / RuntimeError naming the package otherwise)."""
+    if engine == "native":
+        import diffusers  # noqa: F401
+        import peft  # noqa: F401
+        import safetensors.torch  # noqa: F401
+        import transformers  # noqa: F401
+
+        import models.boogu_image  # noqa: F401  (what NativeEngine's model loading imports)
+        import models.lora  # noqa: F401
+        import models.qwen_image  # noqa: F401
+    elif engine == "vllm_omni":
+        import_vllm_omni()
+        from vllm.lora.request import LoRARequest  # noqa: F401
+
+        import vllm_omni_pipelines  # noqa: F401  (the custom RL pipelines the engine loads by dotted path)
+    else:
+        raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
+
+
+def probe_main(engine: str) -> None:
+    """`python rollout.py --probe --engine E`: import what engine E needs in THIS interpreter, then print one line
+    `PROBE_MARKER + json(peer_info())` on the real stdout. An import failure exits non-zero with its traceback
+    on stderr. Loads no model."""
+    channel = _private_stdout()
+    _import_engine(engine)
+    channel.write((PROBE_MARKER + json.dumps(dict(peer_info(), engine=engine)) + "\n").encode())
+    channel.flush()
+
+
+class RolloutEnvError(RuntimeError):
+    """--rollout_python cannot run the rollout workers (raised before any model is loaded)."""
+
+
+def _worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker / probe process: ours plus `extra`, with this repository first on PYTHONPATH."""
+    env = dict(os.environ, **(extra or {}))
+    repo = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def check_rollout_python(python: str | None, engine: str, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """The --rollout_python start-up check (model-free; run it before any model is loaded).
+
+    Runs `python rollout.py --probe --engine <engine>`: the interpreter must exist and run, import this
+    repository's rollout module and the engine's libraries (native: torch, diffusers, transformers, peft and
+    `models/`; vllm_omni: vllm-omni, vLLM and `vllm_omni_pipelines`), and speak our protocol version. Returns its
+    `peer_info()` (python / torch / diffusers / transformers / peft / vllm / vllm-omni versions, the resolved
+    interpreter) for run_metadata.json; raises `RolloutEnvError` naming --rollout_python and the fix otherwise.
+    `python=None` means this interpreter: the native engine's imports are then checked in this process (the
+    trainer imports the same packages anyway); vllm_omni is always probed in a subprocess."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
+    if engine == "native" and python in (None, sys.executable):
+        try:
+            _import_engine(engine)
+        except ImportError as e:
+            raise RolloutEnvError(f"--rollout_python (this interpreter, {sys.executable}) cannot import the native "
+                                  f"rollout engine: {e}; pip install -r requirements.txt") from e
+        return dict(peer_info(), engine=engine)
+    flag = f"--rollout_python {python}" if python else f"--rollout_python (default: this interpreter, {sys.executable})"
+    path = python or sys.executable
+    resolved = path if os.sep in path else shutil.which(path)
+    fix = (f"pass the bin/python of an environment that has the {engine} engine's packages "
+           + ("(pip install -r requirements.txt)" if engine == "native" else
+              "(vllm-omni 0.30 + vLLM 0.30 + diffusers 0.40 + transformers<5.15 + peft; README: two environments)")
+           + ", or leave the flag out to use the trainer's own interpreter")
+    if not resolved or not os.path.isfile(resolved):
+        raise RolloutEnvError(f"{flag}: no such file{'' if os.sep in path else ' on PATH'}; {fix}")
+    if not os.access(resolved, os.X_OK):
+        raise RolloutEnvError(f"{flag}: {resolved} is not executable; {fix}")
+    command = [resolved, os.path.abspath(__file__), "--probe", "--engine", engine]
+    try:
+        proc = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s,
+                              env=_worker_env())
+    except subprocess.TimeoutExpired:
+        raise RolloutEnvError(f"{flag}: importing the {engine} engine took over {timeout_s:.0f} s; {fix}") from None
+    except OSError as e:  # e.g. not a program (exec format error), permission denied
+        raise RolloutEnvError(f"{flag}: {resolved} could not be run ({e}); {fix}") from None
+    lines = proc.stdout.decode(errors="replace").splitlines()
+    found = [line[len(PROBE_MARKER):] for line in lines if line.startswith(PROBE_MARKER)]
+    if proc.returncode != 0 or not found:
+        tail = "\n".join(proc.stderr.decode(errors="replace").strip().splitlines()[-12:]) or "<no output>"
+        raise RolloutEnvError(f"{flag} cannot run the {engine} rollout engine: `{' '.join(command)}` exited "
+                              f"{proc.returncode}. Its stderr ends:\n{tail}\n{fix}")
+    info = json.loads(found[-1])
+    problem = handshake_error(peer_info(), dict(info, op="hello"), peer=f"the interpreter of {flag}")
+    if problem:
+        raise RolloutEnvError(problem)
+    return info
 
 
 def worker_main(argv: Sequence[str] | None = None) -> None:
@@ -1203,8 +1433,18 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    channel_in, channel_out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # anything printed by libraries goes to the log, never into the channel
+    channel_in, channel_out = sys.stdin.buffer, _private_stdout()
+    ours = peer_info()
+    _send(channel_out, {"op": "hello", **ours})  # before any heavy import: a mismatch is refused within seconds
+    try:
+        problem = handshake_error(ours, _recv(channel_in), peer="the trainer")
+    except EOFError:
+        return
+    except ProtocolError as e:
+        problem = f"the trainer's handshake was refused: {e}"
+    if problem:
+        _send(channel_out, {"ok": False, "error": f"ProtocolError: {problem}", "traceback": ""})
+        return
     try:
         engine = build_engine(args.engine, args.model_path, device=args.device, dtype=getattr(torch, args.dtype),
                               max_batch_size=args.max_batch_size, cfg_batch=args.cfg_batch)
@@ -1215,9 +1455,12 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     while True:
         try:
             message = _recv(channel_in)
-        except EOFError:
+        except (EOFError, ChannelBroken):
             return
-        op = message.get("op")
+        except ProtocolError as e:  # the frame was consumed: refuse it and stay in step
+            _send(channel_out, {"ok": False, "error": f"ProtocolError: {e}", "traceback": ""})
+            continue
+        op = message.get("op") if type(message) is dict else None
         try:
             if op == "generate":  # streamed: one message per finished chunk, then "done" (or an error, which ends it)
                 for start, part in engine.generate_chunks(RolloutRequest.from_dict(message["request"])):
@@ -1235,7 +1478,11 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as e:
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        _send(channel_out, reply)
+        try:
+            _send(channel_out, reply)
+        except ProtocolError as e:  # refused before a byte was written: report it instead of the reply
+            _send(channel_out, {"ok": False, "error": f"ProtocolError: the worker's reply to {op!r}: {e}",
+                                "traceback": ""})
 
 
 class RolloutError(RuntimeError):
@@ -1297,7 +1544,7 @@ class PendingRollout:
                         self.memory.append(dict(message.get("memory") or {}))
                     self._outcome[i] = ("done", "")
                     return
-                row, part = first + int(message["chunk"]["start"]), RolloutResult(**message["chunk"]["result"])
+                row, part = first + int(message["chunk"]["start"]), RolloutResult.from_dict(message["chunk"]["result"])
                 with self._lock:
                     self._parts.append((row, part))
                     self.last_chunk_at = time.monotonic()
@@ -1377,7 +1624,8 @@ class RolloutGroup:
     def __init__(self, model_path: str, devices: Sequence[str], *, engine: str = "native", dtype: str = "float32",
                  max_batch_size: int = 8, timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0,
                  log_dir: str | None = None, threads_per_worker: int = 0, env: dict[str, str] | None = None,
-                 cfg_batch: bool = False, ipc_sources: Sequence[int | None] | None = None) -> None:
+                 cfg_batch: bool = False, ipc_sources: Sequence[int | None] | None = None,
+                 python: str | None = None) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
         if not devices:
@@ -1391,9 +1639,7 @@ class RolloutGroup:
         script = os.path.abspath(__file__)
         try:
             for index, device in enumerate(devices):
-                worker_env = dict(os.environ, **(env or {}))
-                worker_env["PYTHONPATH"] = os.pathsep.join(
-                    [os.path.dirname(script)] + [p for p in [worker_env.get("PYTHONPATH")] if p])
+                worker_env = _worker_env(env)
                 local_device, ipc_index = device, None
                 if device.startswith("cuda"):
                     worker_env["CUDA_VISIBLE_DEVICES"], ipc_index = worker_cuda_devices(
@@ -1401,7 +1647,7 @@ class RolloutGroup:
                     local_device = "cuda:0"
                 log_path = os.path.join(self.log_dir, f"rollout-worker-{index}.log")
                 log = open(log_path, "ab")
-                command = [sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
+                command = [python or sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
                            "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
                            "--threads", str(threads_per_worker)] + (["--cfg-batch"] if cfg_batch else [])
                 # unbuffered: select() on the pipe then sees every byte the worker wrote
@@ -1409,6 +1655,18 @@ class RolloutGroup:
                                            env=worker_env, bufsize=0)
                 log.close()
                 self.workers.append(_Worker(index, device, process, log_path, ipc_index))
+            ours = peer_info()
+            for worker in self.workers:  # the handshake: both sides send theirs, each refuses an incompatible peer
+                try:
+                    _send(worker.process.stdin, {"op": "hello", **ours})
+                except (BrokenPipeError, OSError):
+                    raise self._fail(worker, "is gone (could not send the handshake)") from None
+            for worker in self.workers:
+                problem = handshake_error(ours, self._read(worker, startup_timeout_s, "the handshake"),
+                                          peer=f"rollout worker {worker.index} ({worker.devices})")
+                if problem:
+                    self.close()
+                    raise RolloutError(f"{problem} (the worker runs --rollout_python {python or sys.executable})")
             for worker in self.workers:
                 reply = self._read(worker, startup_timeout_s, "start-up")
                 if not reply.get("ok"):
@@ -1438,6 +1696,8 @@ class RolloutGroup:
                 except EOFError:
                     code = worker.process.wait(timeout=10)
                     raise self._fail(worker, f"died during {what} (exit code {code})") from None
+                except ProtocolError as e:
+                    raise self._fail(worker, f"sent a message that was refused during {what}: {e}") from None
             if worker.process.poll() is not None:
                 raise self._fail(worker, f"died during {what} (exit code {worker.process.returncode})")
 
@@ -1862,5 +2122,13 @@ if __name__ == "__main__":
         import rollout as _rollout  # run the module's own copy, not __main__'s, so its classes have one identity
 
         _rollout.worker_main()
+    elif "--probe" in sys.argv:
+        import rollout as _rollout
+
+        _probe = argparse.ArgumentParser(description="rollout environment probe (see check_rollout_python)")
+        _probe.add_argument("--probe", action="store_true")
+        _probe.add_argument("--engine", default="native")
+        _rollout.probe_main(_probe.parse_args().engine)
     else:
-        sys.exit("rollout.py is started by the trainers' RolloutGroup (python rollout.py --worker ...)")
+        sys.exit("rollout.py is started by the trainers' RolloutGroup (python rollout.py --worker ...) or its "
+                 "start-up check (python rollout.py --probe --engine native|vllm_omni)")

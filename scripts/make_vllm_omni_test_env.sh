@@ -1,30 +1,46 @@
 #!/usr/bin/env bash
-# Build a SEPARATE virtual environment in which vllm-omni 0.30's own Python types import on CPU.
+# Build a SEPARATE virtual environment with vllm-omni 0.30's own library stack, on CPU: vllm-omni 0.30 + vLLM 0.30
+# with THEIR pinned torch 2.13.0 / torchvision 0.28.0 / transformers 5.14.1 / tokenizers 0.22.2 / accelerate 1.12.0
+# (vllm-omni 0.30 needs transformers<5.15; the trainer's environment has torch 2.14.1 / transformers 5.17.0).
 #
 #   bash scripts/make_vllm_omni_test_env.sh [VENV_DIR]      (default: <repo>/.venv-vllm-omni, git-ignored)
 #   VLLM_OMNI_VENV=/some/dir bash scripts/make_vllm_omni_test_env.sh
 #
-# Why: vllm-omni 0.30 needs vLLM 0.30 (torch 2.13 CUDA, flashinfer, ...), which cannot be installed here. Its
-# dataclasses, request/output types, LoRA request and LoRA manager are plain Python, though, so the rollout
-# engine's request building and output parsing can be tested against the REAL classes. The venv is created with
-# --system-site-packages so it reuses the system torch / transformers / diffusers (no second torch), and
-# installs vllm-omni + vllm with --no-deps plus the small pure-Python packages their imports need, all pinned.
-# The system python is never modified.
+# Used by .ci/run for two things: (1) tests_vllm_omni/ runs IN this env (vllm-omni's real types, request building,
+# output parsing, LoRA binding); (2) tests_rollout_env/ runs in the trainer's env and starts rollout workers with
+# --rollout_python <VENV_DIR>/bin/python (the cross-environment protocol, a different torch on each side).
+#
+# How: vLLM 0.30's full dependency set (CUDA kernels, flashinfer, ...) cannot be installed here, so the venv is
+# created with --system-site-packages and installs, all with --no-deps and pinned, (a) vllm-omni + vllm and the small
+# pure-Python packages their imports need and (b) the libraries whose versions vllm-omni/vLLM pin differently from
+# the trainer's requirements.txt, which then shadow the system copies inside the venv. Everything else (numpy,
+# pillow, diffusers 0.40.0 = vllm-omni's pin, peft, safetensors, pytest, and the CUDA 13.0 runtime wheels that
+# torch 2.13.0 links against: same cuda-toolkit 13.0.3 as torch 2.14.1) comes from the system python's
+# `pip install -r requirements.txt`. torch is the CUDA build (pinned with === so a local "+cpu" build is never
+# taken): torchvision 0.28.0's kernels only load beside it, and it runs on CPU. The system python is never modified.
 #
 # Idempotent: a stamp file holds the hash of the pinned list; when it matches and the import check passes the
 # script exits at once. A stale or broken venv is deleted and rebuilt. Any failure exits non-zero.
 # Afterwards: "$VENV_DIR/bin/python" -m pytest tests_vllm_omni -q
+#             ROLLOUT_PYTHON="$VENV_DIR/bin/python" python3 -m pytest tests_rollout_env -q
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV_DIR="${1:-${VLLM_OMNI_VENV:-$REPO_ROOT/.venv-vllm-omni}}"
 SYSTEM_PYTHON="${SYSTEM_PYTHON:-python3}"
 
-# Pinned, all installed with --no-deps. vllm / vllm-omni are the two wheels under test; the rest is exactly what
-# their import chains (below) need beyond what the system python already has. Versions respect vLLM 0.30's own
-# specifiers where it has one (fastapi<0.137, openai>=2.25, starlette>=1.0.1); a newer fastapi pulls in
-# opentelemetry and openai 3.x pulls in httpx2.
+# Pinned, all installed with --no-deps. First vLLM 0.30 / vllm-omni 0.30's own pins that differ from the system's
+# (torch==2.13.0, torchvision==0.28.0, accelerate==1.12.0, transformers>=5.13,<5.15 and the tokenizers<=0.23.0 that
+# transformers 5.14.1 requires). Then vllm / vllm-omni, the two wheels under test, and exactly what their import
+# chains (below) need beyond what the system python already has. Versions respect vLLM 0.30's own specifiers
+# where it has one (fastapi<0.137, openai>=2.25, starlette>=1.0.1); a newer fastapi pulls in opentelemetry and
+# openai 3.x pulls in httpx2.
 PINNED="
+torch===2.13.0
+torchvision==0.28.0
+transformers==5.14.1
+tokenizers==0.22.2
+accelerate==1.12.0
 vllm-omni==0.30.0
 vllm==0.30.0
 aenum==3.1.16
@@ -85,8 +101,18 @@ for module, attr in names:
         failed.append(f"{module}.{attr}: {type(exc).__name__}: {exc}")
 if failed:
     raise SystemExit("vllm-omni import check FAILED:\n  " + "\n  ".join(failed))
+import os, sys
+import accelerate, diffusers, peft, tokenizers, torch, torchvision, transformers
 import vllm, vllm_omni
-print(f"vllm-omni import check OK (vllm {vllm.__version__}, vllm-omni {vllm_omni.__version__})")
+expected = {torch: "2.13.0", torchvision: "0.28.0", transformers: "5.14.1", tokenizers: "0.22.2",
+            accelerate: "1.12.0", diffusers: "0.40.0", vllm: "0.30.0", vllm_omni: "0.30.0"}
+wrong = [f"{m.__name__} {m.__version__} from {os.path.dirname(m.__file__)} (expected {v})"
+         for m, v in expected.items() if str(m.__version__).split("+")[0] != v]
+if wrong:
+    raise SystemExit("vllm-omni env version check FAILED (a system copy shadows the pin?):\n  " + "\n  ".join(wrong))
+print(f"vllm-omni import check OK (vllm {vllm.__version__}, vllm-omni {vllm_omni.__version__}, torch "
+      f"{torch.__version__}, transformers {transformers.__version__}, diffusers {diffusers.__version__}, "
+      f"python {sys.version.split()[0]})")
 '
 
 die() { echo "make_vllm_omni_test_env: ERROR: $*" >&2; exit 1; }
@@ -113,8 +139,8 @@ if [[ -e "$VENV_DIR" ]]; then
     fi
 fi
 
-"$SYSTEM_PYTHON" -c 'import torch, transformers, diffusers' \
-    || die "the system python ($SYSTEM_PYTHON) must provide torch, transformers and diffusers"
+"$SYSTEM_PYTHON" -c 'import torch, transformers, diffusers, peft, safetensors, numpy, PIL, pytest' \
+    || die "the system python ($SYSTEM_PYTHON) lacks requirements.txt's packages (pip install -r requirements.txt)"
 "$SYSTEM_PYTHON" -m venv --system-site-packages "$VENV_DIR" || die "python -m venv failed"
 [[ -x "$venv_py" ]] || die "venv python missing at $venv_py"
 

@@ -285,3 +285,202 @@ def test_nonzero_lora_reaches_the_workers_and_unbindable_adapters_fail(groups, t
     save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"))
     with pytest.raises(RolloutError, match="bind to no LoRA module"):
         group.load_adapter(adapter_dir, "v2")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the wire protocol: plain data only, the handshake, --rollout_python
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _raw_frame(message) -> bytes:
+    """A frame as a peer that skipped `check_plain` would write it (plain torch.save, any pickle)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    payload = buffer.getvalue()
+    return rollout._HEADER.pack(rollout._MAGIC, len(payload)) + payload
+
+
+def _not_plain_values():
+    import collections
+
+    import numpy as np
+
+    return {  # name -> value; the first three are refused by weights_only itself, the rest by check_plain
+        "numpy array": np.zeros(3), "numpy scalar": np.float64(1.0), "dataclass": request_for("qwen_image", 1),
+        "OrderedDict": collections.OrderedDict(a=1), "torch.Size": torch.Size([2]), "dtype": torch.float32,
+        "Parameter": torch.nn.Parameter(torch.zeros(2)), "int key": {1: 2}, "device": torch.device("cpu"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_not_plain_values()))
+def test_a_message_that_is_not_plain_data_is_refused_on_receive_and_on_send(name):
+    import io
+
+    value = _not_plain_values()[name]
+    stream = io.BytesIO(_raw_frame({"op": "generate", "request": {"seeds": [1], "bad": value}})
+                        + _raw_frame({"op": "next"}))
+    with pytest.raises(rollout.ProtocolError, match="refused a message|cannot cross|keys must be str"):
+        rollout._recv(stream)
+    assert rollout._recv(stream) == {"op": "next"}  # the refused frame was consumed whole: still in step
+    out = io.BytesIO()
+    with pytest.raises(rollout.ProtocolError):
+        rollout._send(out, {"op": "x", "payload": [value]})
+    assert out.getvalue() == b""  # refused before a byte was written
+
+
+def test_plain_message_kinds_round_trip_and_bad_frames_break_the_channel():
+    import io
+
+    message = {"none": None, "flag": True, "n": 3, "x": 0.5, "s": "é", "pair": (1, 2), "rows": [[1], []],
+               "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "u8": torch.zeros(3, 2, 2, dtype=torch.uint8)}
+    buffer = io.BytesIO()
+    rollout._send(buffer, message)
+    got = rollout._recv(io.BytesIO(buffer.getvalue()))
+    assert got.keys() == message.keys() and got["pair"] == (1, 2) and got["t"].dtype == torch.bfloat16
+    assert torch.equal(got["t"], message["t"]) and type(got["n"]) is int and type(got["flag"]) is bool
+    with pytest.raises(rollout.ChannelBroken, match="not a rollout-channel frame"):
+        rollout._recv(io.BytesIO(b"INFO vllm says hello\n" + buffer.getvalue()))
+
+
+def test_request_and_result_dicts_are_plain():
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    array = torch.randint(0, 256, (SIZE, SIZE, 3), generator=g, dtype=torch.uint8)
+    pil = Image.fromarray(array.numpy())
+    request = edit_request(images=[pil, pil.convert("RGBA"), None, array.permute(2, 0, 1)])
+    data = request.to_dict()
+    rollout.check_plain(data)
+    assert all(torch.equal(im, array.permute(2, 0, 1)) for im in data["images"][:2] + data["images"][3:])
+    assert data["images"][2] is None and request.images[0] is pil  # the request itself is unchanged
+    assert RolloutRequest.from_dict(data).prompts == request.prompts
+    result = RolloutResult(images=torch.zeros(1, 3, 2, 2, dtype=torch.uint8), latents_clean=torch.zeros(1, 4),
+                           prompt_embeds=torch.zeros(1, 2, 3), prompt_mask=torch.ones(1, 2, dtype=torch.long),
+                           seeds=[5], metadata={"sigmas": torch.ones(3), "family": "qwen_image"})
+    rollout.check_plain(result.to_dict())
+    assert RolloutResult.from_dict(result.to_dict()).seeds == [5]
+    with pytest.raises(ValueError, match="unknown rollout result keys"):
+        RolloutResult.from_dict(dict(result.to_dict(), extra=1))
+
+
+def test_handshake_error_names_both_sides():
+    ours = rollout.peer_info()
+    assert ours["protocol"] == rollout.PROTOCOL_VERSION and type(ours["torch"]) is str
+    assert rollout.handshake_error(ours, dict(ours, op="hello"), peer="the worker") is None
+    theirs = dict(ours, op="hello", protocol=ours["protocol"] + 1, torch="2.13.0", executable="/envs/omni/bin/python")
+    problem = rollout.handshake_error(ours, theirs, peer="the worker")
+    assert f"rollout protocol {ours['protocol'] + 1} (python {ours['python']}, torch 2.13.0, /envs/omni/bin/python)" \
+        in problem and f"rollout protocol {ours['protocol']} (python {ours['python']}, torch {ours['torch']}" in problem
+    assert "older or foreign" in rollout.handshake_error(ours, {"ok": True, "ready": True}, peer="the worker")
+
+
+def _python_wrapper(tmp_path, body: str) -> str:
+    """An executable standing in for --rollout_python: it runs `body` (Python) with this interpreter, argv intact."""
+    import sys
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(body)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_trainer_refuses_a_worker_that_speaks_another_protocol(tmp_path):
+    python = _python_wrapper(tmp_path, "import sys, rollout\nrollout.PROTOCOL_VERSION = 99\n"
+                                       "rollout.worker_main(sys.argv[2:])\n")
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match=rf"speaks rollout protocol 99 .*this side speaks rollout protocol "
+                                           rf"{rollout.PROTOCOL_VERSION} .*--rollout_python {re.escape(python)}"):
+        RolloutGroup(str(tmp_path / "never-loaded"), ["cpu"], threads_per_worker=1, startup_timeout_s=120,
+                     python=python)
+    assert time.monotonic() - start < 60  # refused at the handshake, before any model load
+
+
+def test_worker_refuses_a_trainer_that_speaks_another_protocol(tmp_path):
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, rollout.__file__, "--worker", "--model-path", str(tmp_path)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               env=rollout._worker_env())
+    try:
+        hello = rollout._recv(process.stdout)
+        assert hello["op"] == "hello" and hello["protocol"] == rollout.PROTOCOL_VERSION
+        rollout._send(process.stdin, dict(rollout.peer_info(), op="hello", protocol=0, torch="1.0"))
+        reply = rollout._recv(process.stdout)
+        assert reply["ok"] is False
+        assert "the trainer speaks rollout protocol 0 (python" in reply["error"] and "torch 1.0" in reply["error"]
+        assert process.wait(timeout=60) == 0  # exits without loading the model
+    finally:
+        process.kill()
+
+
+def test_a_worker_reply_that_is_not_plain_is_refused(tmp_path):
+    body = ("import io, sys, numpy, torch, rollout\n"
+            "out = rollout._private_stdout()\n"
+            "rollout._send(out, dict(rollout.peer_info(), op='hello'))\n"
+            "rollout._recv(sys.stdin.buffer)\n"
+            "buffer = io.BytesIO(); torch.save({'ok': True, 'ready': numpy.ones(2)}, buffer)\n"
+            "out.write(rollout._HEADER.pack(rollout._MAGIC, len(buffer.getvalue())) + buffer.getvalue()); out.flush()\n"
+            "sys.stdin.buffer.read()\n")
+    with pytest.raises(RolloutError, match="refused during start-up: refused a message .*numpy"):
+        RolloutGroup(str(tmp_path), ["cpu"], startup_timeout_s=120, python=_python_wrapper(tmp_path, body))
+
+
+def test_check_rollout_python_errors_name_the_flag_and_the_fix(tmp_path):
+    import subprocess
+    import sys
+
+    with pytest.raises(rollout.RolloutEnvError, match=r"--rollout_python /no/such/python: no such file; pass the "
+                                                      r"bin/python of an environment"):
+        rollout.check_rollout_python("/no/such/python", "native")
+    text = tmp_path / "not-executable"
+    text.write_text("")
+    with pytest.raises(rollout.RolloutEnvError, match="is not executable"):
+        rollout.check_rollout_python(str(text), "native")
+    # an interpreter without torch: a bare venv of this Python
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    with pytest.raises(rollout.RolloutEnvError, match=r"(?s)--rollout_python .*bare/bin/python cannot run the native "
+                                                      r"rollout engine.*No module named 'torch'.*requirements.txt"):
+        rollout.check_rollout_python(str(tmp_path / "bare" / "bin" / "python"), "native")
+    # this environment has no vllm-omni: the engine's import fails in the probe, named
+    with pytest.raises(rollout.RolloutEnvError, match=r"(?s)cannot run the vllm_omni rollout engine.*vllm-omni 0\.30"):
+        rollout.check_rollout_python(_python_wrapper(tmp_path, "import runpy, sys\nsys.argv = sys.argv[1:]\n"
+                                                               "runpy.run_path(sys.argv[0], run_name='__main__')\n"),
+                                     "vllm_omni")
+
+
+def test_check_rollout_python_reports_the_interpreter_and_its_versions(tmp_path):
+    python = _python_wrapper(tmp_path, "import runpy, sys\nsys.argv = sys.argv[1:]\n"
+                                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    probed = rollout.check_rollout_python(python, "native")  # through the subprocess probe
+    in_process = rollout.check_rollout_python(None, "native")
+    for info in (probed, in_process):
+        assert info == dict(rollout.peer_info(), engine="native")
+        assert info["torch"] == torch.__version__ and info["diffusers"] != "not installed"
+
+
+def test_trainer_stops_on_a_bad_rollout_python_before_loading_the_model(tiny_models, tmp_path):
+    """train_dppo.py with --rollout_python pointing nowhere fails at start-up naming the flag. The model folder keeps
+    its configs but has no weights, so a run that reached the model load would fail with another error."""
+    import shutil
+    import subprocess
+    import sys
+
+    from data_prep.make_demo_data import make_demo_data
+
+    model = tmp_path / "qwen_image"
+    shutil.copytree(os.path.join(tiny_models, "qwen_image"), model, ignore=shutil.ignore_patterns("*.safetensors"))
+    make_demo_data(tmp_path / "data", model="qwen_image")
+    repo = os.path.dirname(os.path.abspath(rollout.__file__))
+    command = [sys.executable, os.path.join(repo, "train_dppo.py"), "--device", "cpu", "--rollout_devices", "cpu",
+               "--model_path", str(model), "--train_files", str(tmp_path / "data" / "train.parquet"),
+               "--resume", "never", "--output_dir", str(tmp_path / "out"), "--rollout_python", "/no/such/python"]
+    proc = subprocess.run(command, cwd=repo, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "RolloutEnvError: --rollout_python /no/such/python: no such file" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "run_metadata.json").exists()  # checked before anything of the run is written

@@ -82,6 +82,7 @@ def test_nft_boogu_t2i_end_to_end_and_checkpoint(demo_data, tiny_models, tmp_pat
     assert values(m, "rollout/bound_modules")[0] > 0
     meta = json.loads((out / "run_metadata.json").read_text())
     assert meta["config"]["lr"] == 1e-3 and "torch" in meta["versions"] and meta["git_commit"]
+    assert meta["rollout_env"]["torch"] == meta["versions"]["torch"] and meta["rollout_env"]["engine"] == "native"
     ckpt = find_latest(str(out / "checkpoints"))
     assert ckpt is not None and ckpt.endswith("step_00000002")
     for adapter in ("default", "old"):

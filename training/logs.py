@@ -313,9 +313,12 @@ def git_commit(repo_dir: str | None = None) -> str:
 
 
 def write_run_metadata(out_dir: str, config: Mapping[str, Any], *, seeds: Mapping[str, int] | None = None,
-                       logger: TensorBoardLogger | None = None) -> dict[str, Any]:
+                       logger: TensorBoardLogger | None = None,
+                       rollout_env: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0: write `<out_dir>/run_metadata.json` (full config, versions, git commit, seeds, world size, argv,
-    host, time) and, with a logger, the same JSON as TensorBoard text. Returns the metadata on every rank."""
+    host, time; with `rollout_env`, the rollout workers' interpreter and library versions from
+    `rollout.check_rollout_python`) and, with a logger, the same JSON as TensorBoard text. Returns the metadata on
+    every rank."""
     meta = {
         "config": json.loads(json.dumps(dict(config), default=str)),
         "versions": library_versions(),
@@ -326,6 +329,8 @@ def write_run_metadata(out_dir: str, config: Mapping[str, Any], *, seeds: Mappin
         "host": socket.gethostname(),
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     }
+    if rollout_env is not None:
+        meta["rollout_env"] = dict(rollout_env)
     if is_main_process():
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, f".run_metadata.json.{uuid.uuid4().hex[:8]}")

@@ -303,16 +303,20 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     from data_prep.dataset import PromptDataset
     from models import resolve_model_path
     import rewards
-    from rollout import DistributedRollout
+    from rollout import DistributedRollout, check_rollout_python
 
     config = vars(args)
     dist_info = init_distributed(resolve_device(args.device))
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors
     seed_everything(args.seed)
+    # --rollout_python, model-free, on the rank of each node that will start its rollout workers
+    rollout_env = check_rollout_python(args.rollout_python, args.rollout_engine) if dist_info.is_local_main \
+        else None
     plan, ckpt_config = prepare_output_dir(args, config, adapter_names)  # model-free: --resume decided and checked
     logger = TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"), purge_step=plan.purge_step)
-    write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger)
+    write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger,
+                       rollout_env=rollout_env)
 
     model_path = resolve_model_path(args.model_path)
     model = load_flow_model(model_path, args, device)
@@ -358,7 +362,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  max_batch_size=args.rollout_max_batch_size, timeout_s=args.rollout_timeout_s,
                                  log_dir=os.path.join(args.output_dir, "rollout_logs"),
                                  threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch,
-                                 trainer_device=device.type, sync=args.rollout_sync)
+                                 trainer_device=device.type, sync=args.rollout_sync,
+                                 python=args.rollout_python)
     return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,

@@ -108,6 +108,10 @@ def add_common_args(parser) -> None:
     g.add_argument("--rollout_max_batch_size", type=int, default=16, help="samples per rollout forward")
     g.add_argument("--rollout_timeout_s", type=float, default=3600.0, help="a rollout worker silent longer fails")
     g.add_argument("--rollout_threads", type=int, default=0, help="CPU threads per rollout worker (0 = default)")
+    g.add_argument("--rollout_python", default=None,
+                   help="Python interpreter of the rollout workers (default: the trainer's own), e.g. the bin/python "
+                        "of a separate vllm-omni environment for --rollout_engine vllm_omni; checked at start-up "
+                        "before any model loads, its versions go into run_metadata.json")
     g.add_argument("--cfg_batch", action="store_true",
                    help="run the conditional and unconditional CFG branches as ONE batched forward, in rollout and in "
                         "training alike (same result within float tolerance; faster when the GPU is not saturated)")
