@@ -99,7 +99,8 @@ RESUME_BLOCKING: frozenset[str] = frozenset({
     "loss", "noise_level", "sde_type", "sde_window_size", "sde_window_range", "kl_mask_threshold",
     "add_kl_coefficient", "clip_ratio",
     # lr schedule; what the training forwards and the old log-probs are (they change the update)
-    "lr_scheduler", "lr_warmup_steps", "min_lr_ratio", "train_cfg", "old_log_probs",
+    "lr_scheduler", "lr_warmup_steps", "min_lr_ratio", "train_cfg", "old_log_probs", "qwen_true_cfg_default",
+    "rollout_policy_lag",
 })
 RESUME_LOGGED: frozenset[str] = frozenset({
     # run length, checkpoints, logging, stops
@@ -110,7 +111,7 @@ RESUME_LOGGED: frozenset[str] = frozenset({
     # where and how fast things run (same objective; float rounding and NFT's noise draws per micro-batch may differ)
     "micro_batch_size", "activation_checkpointing", "cfg_batch", "rollout_devices", "rollout_max_batch_size",
     "rollout_timeout_s", "rollout_threads",
-    "base_weights_dtype", "activation_checkpointing_blocks", "rollout_python",
+    "base_weights_dtype", "activation_checkpointing_blocks", "rollout_python", "rollout_sync", "reward_overlap",
     # only read at step 0 (a resume restores the adapters) / only steer validation
     "init_adapter", "val_adapter",
     # the reward servers and devices
