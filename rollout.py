@@ -425,7 +425,7 @@ class NativeEngine:
         from models import lora
 
         source = message["source"]
-        if source.get("kind") == "cuda_ipc" and message.get("torch_version") != torch.__version__:
+        if source.get("kind") == "cuda_ipc" and message.get("torch_version") != str(torch.__version__):
             raise RuntimeError(f"CUDA IPC handles from torch {message.get('torch_version')} cannot be opened by this "
                                f"worker's torch {torch.__version__}; run trainer and workers with the same torch or "
                                "use --rollout_sync disk")
@@ -1780,7 +1780,7 @@ class RolloutGroup:
                                        "access to a trainer GPU (ipc_sources), so it cannot map CUDA IPC tensors")
                 source["device"] = worker.ipc_index
             messages.append({"op": "load_adapter_tensors", "version": version, "config": config, "layout": layout,
-                             "source": source, "torch_version": torch.__version__})
+                             "source": source, "torch_version": str(torch.__version__)})
         if len(messages) != self.num_workers:
             raise RolloutError(f"{len(messages)} adapter shares for {self.num_workers} rollout workers")
         replies = self._call_all(messages, "load_adapter_tensors")
