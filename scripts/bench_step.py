@@ -330,7 +330,9 @@ def run_config(recipe: str, config: str, model_path: str, train_files: str, out_
     run: dict[str, Any] = {"recipe": recipe, "config": config, "trainer": TRAINER_OF[recipe], "layout": layout,
                            "gpus_counted": layout["gpus_used"] + args.judge_gpus, "command": shlex.join(command),
                            "status": "running"}
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    inherited = [p for p in [os.environ.get("PYTHONPATH")] if p]  # e.g. wheels installed with pip --target
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, *inherited]),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     run["started_at"] = _now()
     start = time.perf_counter()
     with GpuMemoryPoller() if not args.smoke else _Null() as poller:
