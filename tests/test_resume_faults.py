@@ -81,8 +81,9 @@ def test_crash_between_checkpoints_then_resume_with_moved_data_new_flags_and_ctr
         demo_data, tiny_models, tmp_path):  # noqa: F811
     out = tmp_path / "run"
     data = demo_data["qwen_image"] / "train.parquet"
+    # the disk adapter sync: the versioned rollout_adapters/ folders this test is about (tensors never touch disk)
     base = dict(model_path=os.path.join(tiny_models, "qwen_image"), lr=1e-2, save_freq=3, resume="auto",
-                output_dir=out)
+                output_dir=out, rollout_sync="disk")
 
     # 1. a crash (SIGKILL of the trainer and its worker) in step 6: checkpoint at step 3, rollout adapters v4, v5
     crash = Trainer("train_dppo.py", cli(**base, train_files=data, total_training_steps=6))
@@ -141,7 +142,8 @@ def test_second_run_into_the_same_output_dir(demo_data, tiny_models, tmp_path): 
     had just written (v00000000 sorts below the earlier run's v00000001, v00000002)."""
     out = tmp_path / "demo"
     flags = dict(model_path=os.path.join(tiny_models, "qwen_image"), train_files=demo_data["qwen_image"] /
-                 "train.parquet", true_cfg_scale=1.0, lr=1e-2, save_freq=100, output_dir=out)
+                 "train.parquet", true_cfg_scale=1.0, lr=1e-2, save_freq=100, output_dir=out,
+                 rollout_sync="disk")  # the disk sync writes the versions this test is about
     run_trainer("train_nft.py", cli(**flags, total_training_steps=2), nproc=1)
     # --max_wall_time_s stops it cleanly (checkpoint, exit 0) at the first step boundary after the limit
     proc = run_trainer("train_nft.py", cli(**flags, total_training_steps=4, resume="never", max_wall_time_s=0.001),
