@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'base', PEFT folders and/or CHECKPOINT:default|old, scored in this order")
     g.add_argument("--output_dir", default=None, help="default: <run_dir>/eval (required without --run_dir)")
     g.add_argument("--save_images", action="store_true", help="also write every sample as images/<k>/<index>.png")
-    T.set_defaults_from_run(parser, argv, {d: d for d in shown if d not in NOT_FROM_RUN})
+    # qwen_true_cfg_default is no flag: a trainer's own default for an unset --true_cfg_scale (train_nft.py: 1.0)
+    T.set_defaults_from_run(parser, argv, {d: d for d in (*shown, "qwen_true_cfg_default") if d not in NOT_FROM_RUN})
     args = parser.parse_args(argv)
     for spec in args.adapters:
         if spec != "base":

@@ -39,7 +39,8 @@ import training as T  # noqa: E402
 RUN_DEFAULTS = {"model_path": "model_path", "height": "height", "width": "width", "guidance_scale": "guidance_scale",
                 "true_cfg_scale": "true_cfg_scale", "num_inference_steps": "val_num_inference_steps",
                 "seed": "val_seed", "batch_size": "rollout_max_batch_size", "cfg_batch": "cfg_batch",
-                "dtype": "rollout_dtype"}
+                "dtype": "rollout_dtype",
+                "qwen_true_cfg_default": "qwen_true_cfg_default"}  # no flag: a trainer's unset --true_cfg_scale
 DEFAULT_NEGATIVE = {"boogu_image": "", "qwen_image": " "}  # what the released pipelines / data_prep use
 
 
@@ -59,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42, help="base seed of rollout.row_seed(seed, 1, sample index)")
     parser.add_argument("--num_inference_steps", type=int, default=50)
     parser.add_argument("--guidance_scale", type=float, default=None, help="Boogu-Image CFG (None = 4.0)")
-    parser.add_argument("--true_cfg_scale", type=float, default=None, help="Qwen-Image true CFG (None = 4.0)")
+    parser.add_argument("--true_cfg_scale", type=float, default=None,
+                        help="Qwen-Image true CFG (None = the --run_dir trainer's default: 1.0 for train_nft.py, "
+                             "else 4.0)")
     parser.add_argument("--height", type=int, default=None, help="default: the edit reference's size, else 512")
     parser.add_argument("--width", type=int, default=None, help="default: the edit reference's size, else 512")
     parser.add_argument("--batch_size", type=int, default=16, help="samples per forward (per process)")
@@ -124,7 +127,7 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype) if info.device.type == "cuda" else torch.float32
     engine = rollout.NativeEngine(model_path, device=str(info.device), dtype=dtype, max_batch_size=args.batch_size,
                                   cfg_batch=args.cfg_batch)
-    scale = engine.model.resolve_guidance(args.guidance_scale, args.true_cfg_scale)
+    scale = T.guidance_of(engine.model, args)  # with --run_dir of a DiffusionNFT run, its CFG-free default
     if args.parquet and scale > 1.0:
         PromptDataset(args.parquet, guidance=True)  # guided: every row needs a negative prompt (names the row)
     height, width = args.height, args.width

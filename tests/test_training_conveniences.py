@@ -99,7 +99,9 @@ def test_lr_scheduler_resumes_exactly_through_a_checkpoint(tmp_path):
     assert resumed == straight[2:]
     forgot = T.build_lr_scheduler(T.build_optimizer(tiny_model(1, adapters=("default",))[0], lr=0.1),
                                   schedule="cosine", warmup_steps=1, total_steps=6, min_lr_ratio=0.1)
-    assert forgot.get_last_lr()[0] != straight[2] and fresh_lr == pytest.approx(straight[2])
+    # the optimizer restore keeps this run's hyper-parameters (the warm-up's lr 0 at construction): without the
+    # scheduler restore the run would continue at the wrong lr
+    assert forgot.get_last_lr()[0] != straight[2] and fresh_lr != pytest.approx(straight[2])
 
     # a decaying schedule was laid out over total_steps: another --total_training_steps is refused
     other = T.build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=1, total_steps=9, min_lr_ratio=0.1)
@@ -176,7 +178,8 @@ def test_init_adapter_loads_exactly_and_fails_closed(checkpoint, tmp_path, capsy
 
 class RecordingRollout:
     """Stands in for the rollout workers: holds the last loaded adapter and records what every generate sampled
-    with (the version label and the adapter's tensors)."""
+    with (the version label and the adapter's tensors). Synchronous, with adapters published through disk."""
+    has_pending, sync_mode = False, "disk"
 
     def __init__(self):
         self.loaded, self.generated = None, []
@@ -203,7 +206,7 @@ def test_val_adapter_samples_with_the_chosen_adapter_and_restores_the_rollout(tm
 
     model, cfg = tiny_model(5)
     client = RecordingRollout()
-    scorer = SimpleNamespace(score_batch=lambda images, gts, sources, infos: rewards.RewardResult(
+    scorer = SimpleNamespace(score_batch=lambda images, ground_truths, data_sources, extra_infos: rewards.RewardResult(
         rewards=images.float().mean((1, 2, 3)), extras={}))
     rows = [PromptRow(index=i, prompt=[{"role": "user", "content": f"p{i}"}], negative_prompt=None, images=[],
                       ground_truth="", data_source="src") for i in range(3)]

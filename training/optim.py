@@ -105,7 +105,14 @@ def load_lr_scheduler_state_(scheduler: torch.optim.lr_scheduler.LambdaLR, saved
             f"--lr_scheduler {spec['schedule']} was laid out over --total_training_steps {spec['total_steps']}; this "
             f"run asks for {now['total_steps']}, which would change the lr of every remaining step. Resume with "
             f"--total_training_steps {spec['total_steps']} or start a new run")
-    scheduler.load_state_dict(dict(saved["state"]))
+    state = dict(saved["state"])
+    state.pop("base_lrs", None)  # the peak lr is this run's --lr (equal on a plain resume; --resume_force may change it)
+    scheduler.load_state_dict(state)
+    # LambdaLR sets the groups' lr only when stepped; the optimizer restore keeps this run's construction-time lr
+    # (factor(0), 0 under a warm-up), so set the lr the uninterrupted run would use at this step
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
