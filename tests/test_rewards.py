@@ -341,7 +341,7 @@ def test_genrm_http_trickling_judge_is_cut_at_the_deadline(where):
     assert "sample 0 of the batch (ground truth 'Grand Opening')" in str(info.value)
 
 
-def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted():
+def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted(tmp_path):
     """"" and whitespace replies score as empty transcriptions (0 against a target, 1 against an empty target), are
     flagged per sample and reach the trainers' metrics as critic/reward/ocr/empty_reply_frac; the replies are kept."""
     import training as T
@@ -358,6 +358,18 @@ def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted():
     assert metrics["critic/reward/ocr/empty_reply_frac"] == 0.75
     assert "critic/reward/ocr/empty_reply_frac/mean" not in metrics
     assert metrics["critic/reward/ocr/mean"] == 0.5
+    # the raw replies a training step keeps (judge_replies.jsonl), per sample with its row and reward
+    from types import SimpleNamespace
+    rows = [SimpleNamespace(index=7, data_source="ocr", ground_truth="Grand Opening"),
+            SimpleNamespace(index=9, data_source="ocr", ground_truth="OPEN")]
+    records = T.judge_records(rows, 2, res, phase="train", step=3)
+    out = tmp_path / "run"
+    out.mkdir()
+    T.log_judge_replies(str(out), records)
+    lines = [json.loads(line) for line in (out / T.JUDGE_LOG).read_text().splitlines()]
+    assert [(r["row"], r["sample"], r["ocr/response"], r["reward"]) for r in lines] == [
+        (7, 0, "", 0.0), (7, 1, "Grand Opening", 1.0), (9, 2, " \n\t", 0.0), (9, 3, "", 1.0)]
+    assert all(r["phase"] == "train" and r["step"] == 3 for r in lines)
 
 
 @pytest.mark.parametrize("shape", ["null_content", "no_content"])
