@@ -19,6 +19,8 @@ Conventions (spec rewards_data_anchors.md §1-2):
 Extras (numeric, (B,) float32, NaN where a sample was not scored by that reward): `reward/<name>` for every reward
 computed; `pickscore/raw` = exp(logit_scale)*cos before the /26 (the published PickScore scale, ~21-24);
 `ocr/exact_match` = 1 when the whole normalised transcription equals the normalised target, else 0;
+`reward/ocr/empty_reply_frac` = 1 when the judge's reply was empty or whitespace (an empty transcription, scored as
+one: 0 against a non-empty target), else 0 - logged as a fraction, `critic/reward/ocr/empty_reply_frac`;
 `reward/combined` for multi-reward. Metric keys are built by the trainers (training.validation_metrics); in a batch
 that mixes data sources, average extras with NaNs dropped.
 
@@ -36,17 +38,18 @@ import argparse
 import base64
 import concurrent.futures
 import hashlib
+import http.client
 import io
 import json
 import math
 import multiprocessing
 import os
+import queue
 import re
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -58,6 +61,9 @@ from PIL import Image
 PIXEL_CONVENTION = "uint8 tensor of shape (3, H, W) with values in [0, 255] (RGB, CHW)"
 REWARD_NAMES = ("ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")
 OCR_BACKENDS = ("http", "local", "rapidocr")
+# The per-sample 0/1 extra marking an empty or whitespace judge reply; its batch mean is logged as
+# critic/reward/ocr/empty_reply_frac (training.logs.reward_metrics: an extra named *_frac is a fraction).
+OCR_EMPTY_REPLY = "reward/ocr/empty_reply_frac"
 # Where a multi-reward finds the ground truth of a reward that is not the row's own data_source (edit rows keep both).
 GROUND_TRUTH_EXTRA_KEY = {"ocr": "target_text", "pickscore": "instruction"}
 
@@ -161,20 +167,103 @@ class SamplingConfig:
 
 
 class GenRMServerError(RuntimeError):
-    """The GenRM server could not produce a transcription after every retry."""
+    """The GenRM server could not produce a transcription after every retry, or replied with something that is not
+    a transcription. `image_index`: the image of the `transcribe` call it concerns (None: the whole call)."""
+
+    def __init__(self, message: str, *, image_index: int | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.image_index = image_index
+        self.detail = detail or message  # the message without the image position
 
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
+class DaemonThreadPool:
+    """At most `max_workers` daemon threads running submitted calls, each returning a `concurrent.futures.Future`.
+
+    The judge's and the reward stream's pool. Unlike `ThreadPoolExecutor`, whose worker threads the interpreter
+    joins at exit, a Ctrl-C or SIGTERM that ends the main thread is never held up by a call still blocked on a
+    stalled server: the threads are daemons and die with the process. (Each judge request also ends by its own
+    deadline, so no thread outlives a batch for long either.)"""
+
+    def __init__(self, max_workers: int, name: str = "pool"):
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.max_workers, self.name = max_workers, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} pool is shut down")
+            self._queue.put((future, fn, args, kwargs))
+            if self._idle == 0 and len(self._threads) < self.max_workers:
+                thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            else:
+                self._idle -= 1  # an idle thread takes this item
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                del item, future, fn, args, kwargs
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more submissions; `cancel_futures` cancels calls not yet started; `wait` joins the threads."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._queue.put(None)
+        if wait:
+            for thread in threads:
+                thread.join()
+
+
 class GenRMHttpReader:
     """Transcribe images with an OpenAI-compatible chat-completions server (e.g. `vllm serve
-    Qwen/Qwen3-VL-8B-Instruct`), one request per image, at most `concurrency` in flight.
+    Qwen/Qwen3-VL-8B-Instruct`), one request per image, at most `concurrency` in flight (daemon threads,
+    `DaemonThreadPool`: Ctrl-C never waits for a stalled judge).
 
-    Each request has a `timeout_s` deadline. Connection errors, timeouts, HTTP 408/429/5xx and malformed replies are
-    retried `max_retries` times with exponential backoff (`backoff_s`, doubling); other HTTP errors (400, 404, ...)
-    are not retried. When a request still fails, the whole batch raises `GenRMServerError` naming the URL and the
-    last error: a failed judge never becomes a zero reward.
+    Each attempt has a wall-clock deadline of `timeout_s` over the WHOLE exchange (connect, send, status line,
+    headers, body), so a server that trickles a byte every few seconds cannot hold a request open: the socket
+    timeout bounds each read, the body is read in chunks with the deadline checked before each, and a watchdog shuts
+    the socket down at the deadline (which also ends a read stuck in the header parsing). Connection errors, missed
+    deadlines, HTTP 408/429/5xx and malformed replies are retried `max_retries` times with exponential backoff
+    (`backoff_s`, doubling), so one request takes at most `request_budget_s()`; other HTTP errors (400, 404, ...)
+    are not retried. When a request still fails, the whole batch raises `GenRMServerError` naming the URL, the
+    image and the last error: a failed judge never becomes a zero reward. An empty or whitespace `content` is a
+    reply (an empty transcription); a reply without a string `content` is not, and is an error.
     """
 
     def __init__(self, url: str, model: str, sampling: SamplingConfig, *, concurrency: int = 32,
@@ -182,7 +271,14 @@ class GenRMHttpReader:
                  api_key: str | None = None):
         if concurrency < 1:
             raise ValueError(f"GenRM concurrency must be >= 1, got {concurrency}")
+        if not timeout_s > 0:
+            raise ValueError(f"GenRM timeout must be > 0 s, got {timeout_s}")
         self.url = chat_completions_url(url)
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"GenRM URL {url!r} is not http(s)://HOST[:PORT][/v1]")
+        self._scheme, self._host, self._port = parts.scheme, parts.hostname, parts.port
+        self._path = parts.path + (f"?{parts.query}" if parts.query else "")
         self.model = model
         self.sampling = sampling
         self.concurrency = concurrency
@@ -190,7 +286,11 @@ class GenRMHttpReader:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.api_key = api_key
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="genrm")
+        self._pool = DaemonThreadPool(concurrency, name="genrm")
+
+    def request_budget_s(self) -> float:
+        """The longest one request can take: every attempt's deadline plus the backoff sleeps between them."""
+        return genrm_request_budget_s(self.timeout_s, self.max_retries, self.backoff_s)
 
     def request_body(self, image: Image.Image) -> dict:
         body = {
@@ -205,20 +305,64 @@ class GenRMHttpReader:
         return body
 
     def _post_once(self, payload: bytes) -> str:
+        """One attempt, all of it within `timeout_s` of wall clock; returns the reply's `content`."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=payload, headers=headers, method="POST")
-        with _NO_PROXY_OPENER.open(req, timeout=self.timeout_s) as resp:
-            body = resp.read()
+        deadline = time.monotonic() + self.timeout_s
+        # http.client never reads proxy settings: the judge is a cluster-internal server, reached directly
+        connection_class = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        conn = connection_class(self._host, self._port, timeout=self.timeout_s)
+        expired = threading.Event()
+        held: list[socket.socket] = []  # the connected socket (http.client forgets it on Connection: close)
+
+        def cut() -> None:  # the watchdog: wake a read blocked anywhere in the exchange
+            expired.set()
+            for sock in held:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(self.timeout_s, cut)
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            reply = json.loads(body)
-            content = reply["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise _MalformedReply(f"malformed chat-completions reply ({exc!r}): {body[:200]!r}") from exc
-        if not isinstance(content, str):
-            raise _MalformedReply(f"reply content is {type(content).__name__}, not a string: {body[:200]!r}")
-        return content
+            conn.connect()  # bounded by the socket timeout
+            held.append(conn.sock)
+            if expired.is_set():
+                cut()
+            conn.request("POST", self._path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            chunks = []
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or expired.is_set():
+                    raise _DeadlineExceeded(f"the reply was still incomplete at the {self.timeout_s:g} s deadline "
+                                            f"({sum(map(len, chunks))} body bytes received)")
+                held[0].settimeout(remaining)
+                chunk = resp.read1(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            if expired.is_set():
+                raise _DeadlineExceeded(f"the reply was cut at the {self.timeout_s:g} s deadline")
+            if resp.length:  # the server closed before the Content-Length it announced
+                raise ConnectionError(f"the reply body was truncated ({resp.length} bytes missing)")
+        except _DeadlineExceeded:
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            if expired.is_set() or time.monotonic() >= deadline:
+                raise _DeadlineExceeded(f"no complete reply within the {self.timeout_s:g} s deadline "
+                                        f"({type(exc).__name__})") from exc
+            raise
+        finally:
+            watchdog.cancel()
+            conn.close()
+        if resp.status >= 400:
+            raise _HttpStatus(resp.status, resp.reason, body[:300])
+        return parse_chat_content(body)
 
     def _transcribe_one(self, image: Image.Image) -> str:
         payload = json.dumps(self.request_body(image)).encode("utf-8")
@@ -228,38 +372,66 @@ class GenRMHttpReader:
                 time.sleep(self.backoff_s * (2 ** (attempt - 1)))
             try:
                 return self._post_once(payload)
-            except urllib.error.HTTPError as exc:
-                detail = exc.read()[:300] if exc.fp is not None else b""
-                last_error = RuntimeError(f"HTTP {exc.code} {exc.reason}: {detail!r}")
+            except _HttpStatus as exc:
+                last_error = exc
                 if exc.code not in _RETRY_STATUS:
                     raise GenRMServerError(
-                        f"GenRM server {self.url} rejected the request (not retried): {last_error}") from exc
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError, _MalformedReply) as exc:
+                        f"GenRM server {self.url} rejected the request (not retried): {exc}") from exc
+            except (OSError, http.client.HTTPException, _DeadlineExceeded, _MalformedReply) as exc:
                 last_error = exc
+        what = "its reply is not a transcription: " if isinstance(last_error, _MalformedReply) else ""
         raise GenRMServerError(
-            f"GenRM server {self.url} failed {self.max_retries + 1} attempt(s) (timeout {self.timeout_s}s each): "
-            f"{last_error!r}. Check that the server is up (scripts/serve_genrm.sh waits for /health) and that "
-            f"--genrm_url points at it."
+            f"GenRM server {self.url} failed {self.max_retries + 1} attempt(s) (timeout {self.timeout_s:g}s "
+            f"each, a deadline over the whole reply): {what}{last_error}. Check that the server is up "
+            f"(scripts/serve_genrm.sh waits for /health), that --genrm_url points at it and that it serves an "
+            f"OpenAI-compatible /v1/chat/completions."
         ) from last_error
 
     def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
         futures = [self._pool.submit(self._transcribe_one, img) for img in images]
         concurrent.futures.wait(futures)  # no request outlives the batch, even when one has failed
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
         if errors:
+            i, first = errors[0]
             if len(errors) == 1:
-                raise errors[0]
-            raise GenRMServerError(f"{len(errors)} of {len(futures)} GenRM requests failed; first: {errors[0]}") \
-                from errors[0]
+                raise GenRMServerError(f"image {i} of {len(futures)}: {first}", image_index=i,
+                                       detail=str(first)) from first
+            detail = f"{len(errors)} of {len(futures)} GenRM requests failed; the first: {first}"
+            raise GenRMServerError(f"{detail} (image {i})", image_index=i, detail=detail) from first
         return [f.result() for f in futures]
+
+
+def genrm_request_budget_s(timeout_s: float, max_retries: int, backoff_s: float) -> float:
+    """Longest a judge request can take: (max_retries + 1) deadlines of timeout_s + the doubling backoff sleeps."""
+    return (max_retries + 1) * timeout_s + sum(backoff_s * 2 ** k for k in range(max_retries))
+
+
+def parse_chat_content(body: bytes) -> str:
+    """The `choices[0].message.content` string of a chat-completions reply body. Empty or whitespace is a valid
+    (empty) transcription; anything without a string content (not JSON, no choices, content null or a list) raises
+    `_MalformedReply` quoting the body."""
+    try:
+        reply = json.loads(body)
+        content = reply["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise _MalformedReply(f"malformed chat-completions reply ({exc!r}): {body[:200]!r}") from exc
+    if not isinstance(content, str):
+        raise _MalformedReply(f"reply content is {type(content).__name__}, not a string: {body[:200]!r}")
+    return content
 
 
 class _MalformedReply(RuntimeError):
     pass
 
 
-# The judge is a cluster-internal server: never route it through an http_proxy from the environment.
-_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+class _DeadlineExceeded(RuntimeError):
+    pass
+
+
+class _HttpStatus(RuntimeError):
+    def __init__(self, code: int, reason: str, detail: bytes):
+        super().__init__(f"HTTP {code} {reason}: {detail!r}")
+        self.code = code
 
 
 def chat_completions_url(url: str) -> str:
@@ -734,10 +906,33 @@ def parse_reward_weights(spec: str) -> dict[str, float]:
     weights = {}
     for part in spec.split(","):
         name, sep, value = part.strip().partition("=")
+        name = name.strip()
         if not sep:
             raise ValueError(f"--reward_weights entry {part!r} is not NAME=WEIGHT")
-        weights[name.strip()] = float(value)
+        if name not in REWARD_NAMES:
+            raise ValueError(f"--reward_weights names an unknown reward {name!r}; known: {', '.join(REWARD_NAMES)}")
+        if name in weights:
+            raise ValueError(f"--reward_weights lists reward {name!r} twice; give each reward one weight")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"--reward_weights: the weight of reward {name!r} is {value.strip()!r}, not a "
+                             f"number") from None
+        if not math.isfinite(weight) or weight == 0:
+            raise ValueError(f"--reward_weights: reward {name!r} has weight {value.strip()}; a weight must be a finite "
+                             f"non-zero number (drop {name!r} from the list to leave it out)")
+        weights[name] = weight
     return weights
+
+
+def reward_weights_arg(spec: str) -> str:
+    """argparse `type=` of --reward_weights: checked with `parse_reward_weights` at parse time (a weight of 0, NaN
+    or inf is refused naming the reward) and kept as written."""
+    try:
+        parse_reward_weights(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 def add_reward_args(parser: argparse.ArgumentParser) -> None:
@@ -755,7 +950,9 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--genrm_device", default="auto", help="local backend device; auto = cuda if available else cpu")
     g.add_argument("--genrm_batch_size", type=int, default=8, help="local backend generate() batch size")
     g.add_argument("--genrm_concurrency", type=int, default=32, help="http backend: max requests in flight")
-    g.add_argument("--genrm_timeout_s", type=float, default=120.0, help="http backend: per-request timeout")
+    g.add_argument("--genrm_timeout_s", type=float, default=120.0,
+                   help="http backend: deadline of each attempt over the whole reply (connect to last byte); a "
+                        "request takes at most (retries + 1) x this + the backoff sleeps")
     g.add_argument("--genrm_max_retries", type=int, default=3, help="http backend: retries after the first try")
     g.add_argument("--genrm_backoff_s", type=float, default=1.0, help="http backend: first retry delay (doubles)")
     g.add_argument("--genrm_temperature", type=float, default=0.0,
@@ -776,7 +973,7 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pickscore_cache_dir", default=None,
                    help=f"where converted open_clip weights are cached (default {default_cache_dir()})")
     g.add_argument("--pickscore_batch_size", type=int, default=16)
-    g.add_argument("--reward_weights", default=None,
+    g.add_argument("--reward_weights", default=None, type=reward_weights_arg,
                    help="multi-reward, e.g. 'pickscore=1.0,jpeg_compressibility=0.01': every sample is scored by "
                         "each listed reward and gets the weighted sum (logged per reward as reward/<name>)")
 
@@ -868,16 +1065,34 @@ class RewardScorer:
                    for name in names)
 
     # --- single rewards on a subset -------------------------------------------------------------------------
-    def _score(self, name: str, images: list[torch.Tensor], gts: list[str]) -> tuple[torch.Tensor, dict, dict]:
-        """One reward on a list of samples -> (scores (n,), numeric extras {key: (n,)}, text extras)."""
+    def _score(self, name: str, images: list[torch.Tensor], gts: list[str],
+               samples: Sequence[int] | None = None) -> tuple[torch.Tensor, dict, dict]:
+        """One reward on a list of samples -> (scores (n,), numeric extras {key: (n,)}, text extras). `samples`:
+        their positions in the caller's batch (named in errors)."""
         if name == "ocr":
             pil = [to_pil(img) for img in images]
-            replies = self.ocr_reader().transcribe(pil)
+            try:
+                replies = self.ocr_reader().transcribe(pil)
+            except GenRMServerError as exc:
+                if exc.image_index is None:
+                    raise
+                k = exc.image_index
+                sample = samples[k] if samples is not None else k
+                raise GenRMServerError(f"OCR judge, sample {sample} of the batch (ground truth {gts[k]!r}): "
+                                       f"{exc.detail}", image_index=k, detail=exc.detail) from exc
             if len(replies) != len(pil):
                 raise RuntimeError(f"OCR reader returned {len(replies)} replies for {len(pil)} images")
+            for k, reply in enumerate(replies):
+                if not isinstance(reply, str):
+                    sample = samples[k] if samples is not None else k
+                    raise TypeError(f"OCR reader returned a {type(reply).__name__} for sample {sample}, not a "
+                                    f"transcription string")
             scores = torch.tensor([ocr_score(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
             exact = torch.tensor([ocr_exact_match(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
-            return scores, {"ocr/exact_match": exact}, {"ocr/response": replies}
+            # an empty / whitespace reply is an empty transcription, scored by ocr_score's definition (0 unless the
+            # target is empty too), and counted: many of them mean a judge that reads nothing, not bad images
+            empty = torch.tensor([float(not r.strip()) for r in replies], dtype=torch.float32)
+            return scores, {"ocr/exact_match": exact, OCR_EMPTY_REPLY: empty}, {"ocr/response": replies}
         if name == "pickscore":
             scores, raw = self.pickscore()(images, gts)
             return scores, {"pickscore/raw": raw}, {}
@@ -917,7 +1132,7 @@ class RewardScorer:
         for name in names:
             idx = list(range(n)) if weights else [i for i in range(n) if data_sources[i] == name]
             gts = [self._ground_truth(name, i, ground_truths, data_sources, extra_infos) for i in idx]
-            scores, num_extras, txt_extras = self._score(name, [images[i] for i in idx], gts)
+            scores, num_extras, txt_extras = self._score(name, [images[i] for i in idx], gts, idx)
             if scores.shape != (len(idx),) or not torch.isfinite(scores).all():
                 raise RuntimeError(f"reward {name!r} returned non-finite or mis-shaped scores {scores}")
             full = torch.full((n,), float("nan"))

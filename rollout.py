@@ -1836,7 +1836,12 @@ class DistributedRollout:
     """
 
     def __init__(self, model_path: str, devices: Sequence[str], *, trainer_device: str = "cpu", sync: str = "disk",
-                 **group_kwargs: Any) -> None:
+                 collective_timeout_s: float | None = None, **group_kwargs: Any) -> None:
+        """collective_timeout_s: timeout of the node subgroups (None = torch's default); the trainers pass the one
+        of their main group (`training.collective_timeout_s`), above every rollout timeout, so that a node's ranks
+        waiting for the driver hear its RolloutError instead of timing out first."""
+        import datetime
+
         import torch.distributed as dist
 
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -1849,7 +1854,8 @@ class DistributedRollout:
             if world % local_world:
                 raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
             # every rank must create every node's subgroup (a collective), then keep its own
-            self.node_group, _ = dist.new_subgroups(group_size=local_world, backend="gloo")
+            timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
+            self.node_group, _ = dist.new_subgroups(group_size=local_world, backend="gloo", timeout=timeout)
             self.node_root = dist.get_global_rank(self.node_group, 0)
             if world > local_world and group_kwargs.get("log_dir"):
                 # nodes share the output directory: each node's workers log into their own folder
@@ -1879,14 +1885,16 @@ class DistributedRollout:
         self._check_started(error)
 
     def _check_started(self, error: Exception | None) -> None:
-        """Every rank learns whether every node's group started (so none waits forever on a failed node)."""
+        """Every rank learns whether every node's group started, and the first failed driver's error (so none waits
+        forever on a failed node, and every rank's log says why)."""
         if self.distributed:
             import torch.distributed as dist
 
-            flags: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(flags, error is None)
-            if error is None and not all(flags):
-                raise RolloutError("a node's rollout group failed to start (see that node's log)")
+            messages: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+            failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+            if error is None and failed:
+                raise RolloutError(f"the rollout group of rank {failed[0][0]} failed to start: {failed[0][1]}")
         if error is not None:
             raise error
 

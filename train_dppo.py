@@ -101,7 +101,7 @@ def main(argv=None) -> None:
             family=model.family, scale=scale, noise_level=args.noise_level, sde_type=args.sde_type,
             sde_window_size=args.sde_window_size, sde_window_range=window_range, return_log_probs=True,
             return_trajectory=True)
-        result, scored = T.rollout_and_score(run, request, rows, timings)
+        result, scored = T.rollout_and_score(run, request, rows, timings, step)
         num_w = result.all_timesteps.shape[1]
 
         # 2. advantages (std over the reward repeated across the W stored steps)

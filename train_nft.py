@@ -98,7 +98,7 @@ def main(argv=None) -> None:
         n_local = len(rows) * args.rollout_n
 
         # 1. rollout with the `old` adapter (deterministic ODE) and its rewards, scored as chunks finish
-        result, scored = T.rollout_and_score(run, request_for(rows, step), rows, timings)
+        result, scored = T.rollout_and_score(run, request_for(rows, step), rows, timings, step)
         if T.lag_next_rollout(step, args):  # --rollout_policy_lag 1: step + 1 samples while this step trains
             next_rows = [run.train_data[i] for i in T.peek_batch(run.sampler).local]
             T.submit_rollout(run, request_for(next_rows, step + 1), next_rows)

@@ -5,7 +5,8 @@ chat-message lists, reference images (edit), ground truth, data_source and extra
     len(ds); row = ds[17]      # PromptRow; O(1), images decoded on access
 
 Every row is validated when the dataset is opened, so a bad file fails at startup, not at step 300:
-- the `prompt` column holds a non-empty list of {"role", "content": str} messages with a user message;
+- the `prompt` column holds a non-empty list of {"role", "content": str} messages with a user message whose text
+  (placeholders aside) is not empty or whitespace;
 - the media-count rule: every `<image>` placeholder in the prompt consumes one item of `images`, and the prompt
   must consume all of them; a negative prompt either consumes exactly as many, or (text-only negative, the Boogu
   edit convention) none at all; `<video>` / `<audio>` are not supported;
@@ -112,6 +113,10 @@ class PromptDataset:
     def _validate_row(self, i: int, allowed: set[str] | None) -> None:
         prompt, negative, n_images = self._prompts[i], self._negatives[i], self._num_images[i]
         self._check_messages(i, self.prompt_key, prompt)
+        text = "".join(m["content"] for m in prompt if m["role"] == "user").replace(IMAGE_PLACEHOLDER, "")
+        if not text.strip():
+            raise self._err(i, self.prompt_key, f"the user message has no text ({prompt!r}); every row needs a "
+                                                f"prompt: fix or drop the row")
         n_pos = count_placeholders(prompt)
         if n_pos != n_images:
             raise self._err(i, self.prompt_key, f"{n_pos} {IMAGE_PLACEHOLDER} placeholder(s) but the row carries "
@@ -141,6 +146,10 @@ class PromptDataset:
         info = self._extra_infos[i]
         if info is not None and not isinstance(info, dict):
             raise self._err(i, "extra_info", f"expected a struct, got {type(info).__name__}")
+
+    def metadata(self, i: int) -> tuple[str, dict]:
+        """Row i's data_source and extra_info (no image decoding)."""
+        return self._data_sources[i], dict(self._extra_infos[i] or {})
 
     def _decode_images(self, i: int) -> list[Image.Image]:
         if self._num_images[i] == 0:

@@ -13,9 +13,11 @@ import re
 
 import torch
 
-from models.base import FlowModel, PromptEmbeds, read_json
+from types import SimpleNamespace
 
-__all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path"]
+from models.base import FlowModel, PromptEmbeds, check_image_size, read_json, vae_scale_factor
+
+__all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path", "check_size_for"]
 
 FAMILIES = {
     "QwenImagePipeline": "qwen_image",
@@ -53,6 +55,16 @@ def model_family(path: str) -> str:
             f"{sorted(FAMILIES)} (Qwen-Image or Boogu-Image checkpoints)"
         )
     return FAMILIES[class_name]
+
+
+def check_size_for(path: str, height: int, width: int) -> str:
+    """Model-free (reads model_index.json and vae/config.json only): raise ValueError naming the fix unless
+    height x width suits the pipeline at `path` (`check_image_size`, with the VAE factor its wrapper will use);
+    returns the family."""
+    family = model_family(path)
+    vae = read_json(os.path.join(path, "vae", "config.json"), "VAE config")
+    check_image_size(family, height, width, vae_scale_factor(family, SimpleNamespace(**vae)))
+    return family
 
 
 def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kw) -> FlowModel:

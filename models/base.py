@@ -151,6 +151,46 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images * 255).round().to(torch.uint8)
 
 
+def vae_scale_factor(family: str, vae_config: Any) -> int:
+    """The VAE's spatial downsampling factor from its config (attribute access: a diffusers config or a
+    SimpleNamespace of vae/config.json): Qwen-Image 2^len(temperal_downsample), Boogu-Image
+    2^(len(block_out_channels) - 1). Model-free, so the start-up checks use the formula the wrappers use."""
+    if family == "qwen_image":
+        return 2 ** len(vae_config.temperal_downsample)
+    if family == "boogu_image":
+        return 2 ** (len(vae_config.block_out_channels) - 1)
+    raise ValueError(f"unknown model family {family!r}")
+
+
+def resolve_guidance(family: str, guidance_scale: float | None, true_cfg_scale: float | None) -> float:
+    """The CFG scale from the family's own knob: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`
+    (both default 4.0, the released pipelines' defaults). Setting the other family's knob is an error: it would
+    otherwise be ignored silently."""
+    own, other = ("guidance_scale", "true_cfg_scale") if family == "boogu_image" else (
+        "true_cfg_scale", "guidance_scale")
+    values = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}
+    if values[other] is not None:
+        raise ValueError(f"{family} is guided by {own}; {other} belongs to the other model family")
+    return 4.0 if values[own] is None else float(values[own])
+
+
+def check_image_size(family: str, height: int, width: int, vae_factor: int, max_side: int | None = None) -> None:
+    """Raise ValueError naming the fix unless height and width are positive multiples of vae_factor x 2 (the VAE
+    factor times the 2x2 patch of both families' transformers), and at most `max_side` when given."""
+    m = vae_factor * 2
+    for name, v in (("height", height), ("width", width)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if v % m != 0:
+            lo, hi = (v // m) * m, (v // m + 1) * m
+            raise ValueError(
+                f"{family}: {name}={v} is not a multiple of {m} (VAE factor {vae_factor} x 2x2 patch); use "
+                f"{lo or hi} or {hi}"
+            )
+        if max_side is not None and v > max_side:
+            raise ValueError(f"{family}: {name}={v} exceeds the model's limit of {max_side}")
+
+
 class FlowModel:
     """Base of the family wrappers (a plain class, not an nn.Module: `transformer` is the module to train/shard).
 
@@ -177,15 +217,8 @@ class FlowModel:
         self.cfg_batch = bool(cfg_batch)
 
     def resolve_guidance(self, guidance_scale: float | None, true_cfg_scale: float | None) -> float:
-        """The CFG scale from the family's own knob: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`
-        (both default 4.0, the released pipelines' defaults). Setting the other family's knob is an error: it would
-        otherwise be ignored silently."""
-        own, other = ("guidance_scale", "true_cfg_scale") if self.family == "boogu_image" else (
-            "true_cfg_scale", "guidance_scale")
-        values = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}
-        if values[other] is not None:
-            raise ValueError(f"{self.family} is guided by {own}; {other} belongs to the other model family")
-        return 4.0 if values[own] is None else float(values[own])
+        """The CFG scale from the family's own knob (see `resolve_guidance`)."""
+        return resolve_guidance(self.family, guidance_scale, true_cfg_scale)
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property
@@ -195,19 +228,8 @@ class FlowModel:
 
     def validate_size(self, height: int, width: int) -> None:
         """Raise ValueError naming the fix unless height and width are positive multiples of `size_multiple`
-        (and at most `max_side` where the family has a limit)."""
-        m = self.size_multiple
-        for name, v in (("height", height), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-            if v % m != 0:
-                lo, hi = (v // m) * m, (v // m + 1) * m
-                raise ValueError(
-                    f"{self.family}: {name}={v} is not a multiple of {m} (VAE factor {self.vae_scale_factor} x 2x2 "
-                    f"patch); use {lo or hi} or {hi}"
-                )
-            if self.max_side is not None and v > self.max_side:
-                raise ValueError(f"{self.family}: {name}={v} exceeds the model's limit of {self.max_side}")
+        (and at most `max_side` where the family has a limit); see `check_image_size`."""
+        check_image_size(self.family, height, width, self.vae_scale_factor, self.max_side)
 
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:
         """(H/8, W/8) after validating the size."""

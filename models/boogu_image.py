@@ -35,7 +35,7 @@ from diffusers.utils import USE_PEFT_BACKEND, scale_lora_layers, unscale_lora_la
 
 from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
 from losses import flow_sigmas, time_shift_mu
-from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8
+from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8, vae_scale_factor
 
 # ============================================================================================================
 # Part 1: the transformer
@@ -903,7 +903,7 @@ class BooguImageModel(FlowModel):
         self.processor = processor
         self.vae = vae
         self.scheduler_config = scheduler_config
-        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        self.vae_scale_factor = vae_scale_factor(self.family, vae.config)
         self.latent_channels = transformer.config.in_channels
         self.scaling_factor = float(vae.config.scaling_factor)
         self.shift_factor = float(vae.config.shift_factor or 0.0)

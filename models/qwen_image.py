@@ -20,7 +20,7 @@ import torch
 
 import losses
 from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
-from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8
+from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8, vae_scale_factor
 
 # The pipeline's prompt template and the number of tokens of its prefix (system turn + "<|im_start|>user\n").
 PROMPT_PREFIX = f"<|im_start|>system\n{QWEN_IMAGE_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
@@ -157,7 +157,7 @@ class QwenImageModel(FlowModel):
         self.tokenizer.padding_side = "right"
         self.scheduler_config = dict(scheduler_config)
         self.max_sequence_length = max_sequence_length
-        self.vae_scale_factor = 2 ** len(vae.config.temperal_downsample)
+        self.vae_scale_factor = vae_scale_factor(self.family, vae.config)
         self._check_scheduler_config()
         # drop_idx is only right if the tokenizer splits the template prefix into exactly DROP_IDX tokens.
         self.prefix_ids = self.tokenizer(PROMPT_PREFIX, add_special_tokens=False)["input_ids"]

@@ -1,6 +1,7 @@
 """Faults injected into real trainer runs (CPU, one trainer rank, tiny Qwen-Image, 64², rank-4 LoRA): a crash between
 checkpoints then --resume auto (moved data, changed operational flags, Ctrl-C, different data refused), a second run
-into the same output folder (stopped by --max_wall_time_s), and a divergence with a huge learning rate (slow).
+into the same output folder (stopped by --max_wall_time_s), a divergence with a huge learning rate (slow), and a
+frozen rollout worker under two trainer ranks (slow).
 The component-level checks (sha256 corruption, malicious pickles, killed saves, the flag policy, the skip logic)
 are in tests/test_training.py."""
 
@@ -30,9 +31,10 @@ class Trainer:
     """A trainer started the way an operator starts one (torchrun in its own process group, like a terminal job),
     its merged output read line by line while it runs."""
 
-    def __init__(self, script: str, args: list[str]) -> None:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                   str(free_port()), os.path.join(REPO, script), *args]
+    def __init__(self, script: str, args: list[str], torchrun: list[str] | None = None) -> None:
+        """torchrun: its flags (default: one trainer rank on a free port)."""
+        torchrun = torchrun or ["--nproc_per_node", "1", "--master_port", str(free_port())]
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun, os.path.join(REPO, script), *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
         self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
@@ -70,6 +72,24 @@ class Trainer:
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
             (rank_pid,) = [int(pid) for pid in f.read().split()]
         os.killpg(rank_pid, signal.SIGKILL)
+
+    def rollout_worker_pid(self) -> int:
+        """The pid of the (one) rollout worker among torchrun's descendants."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if any(part.endswith(b"rollout.py") for part in cmdline) and b"--worker" in cmdline:
+                found.append(pid)
+            todo += children
+        (pid,) = found
+        return pid
 
     def finish(self, timeout: float = 600) -> int:
         code = self.proc.wait(timeout=timeout)
@@ -188,3 +208,35 @@ def test_divergence_with_a_huge_lr_skips_stops_and_names_the_checkpoint(demo_dat
     m = scalars(out)
     assert values(m, "actor/skipped_steps") == [0.0, 0.0, 1.0, 2.0]
     assert values(m, "actor/step_skipped") == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_frozen_rollout_worker_is_named_in_every_ranks_log(demo_data, tiny_models, tmp_path):  # noqa: F811
+    """Two nodes of one trainer rank each (two torchruns on 127.0.0.1, gloo), each node with its own rollout worker;
+    node 0's worker is frozen (SIGSTOP) after step 1. Its driver, rank 0, gives up on it after --rollout_timeout_s;
+    rank 1, whose own rollout succeeded, hears that error at the end of the rollout phase and raises the same
+    message, instead of dying in a collective (timeout, or a closed connection when rank 0 exits). Slow: two
+    trainer processes (~1-2 min on this 2-core machine)."""
+    out = tmp_path / "run"
+    port = free_port()
+    argv = cli(model_path=os.path.join(tiny_models, "qwen_image"), train_files=demo_data["qwen_image"] /
+               "train.parquet", lr=1e-2, total_training_steps=3, rollout_timeout_s=8, output_dir=out)
+    nodes = [Trainer("train_dppo.py", argv, torchrun=["--nnodes", "2", "--node_rank", str(k), "--nproc_per_node",
+                                                      "1", "--master_addr", "127.0.0.1", "--master_port", str(port)])
+             for k in (0, 1)]
+    nodes[0].wait_for("step 1/3")
+    worker = nodes[0].rollout_worker_pid()
+    os.kill(worker, signal.SIGSTOP)
+    start = time.monotonic()
+    codes = [node.finish(timeout=300) for node in nodes]
+    elapsed = time.monotonic() - start
+    assert all(code != 0 for code in codes), codes
+    named = r"rollout worker 0 \(cpu\) did not answer within 8 s during generate"
+    assert re.search(named, nodes[0].output), nodes[0].output[-6000:]
+    rank1 = nodes[1].output
+    assert re.search(r"RankFailed: the rollout of step 2 failed on rank 0: RolloutError: " + named, rank1), \
+        rank1[-6000:]
+    log = (out / "train.log").read_text()  # both nodes write into the shared output folder
+    assert re.search(r"\[rank 1\] .*RankFailed: the rollout of step 2 failed on rank 0: .*" + named, log), log[-6000:]
+    assert "Timed out" not in rank1 + log and "Connection closed" not in rank1
+    assert elapsed < 120, elapsed  # the worker's timeout ended it, not a collective's

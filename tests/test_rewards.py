@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import math
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -119,7 +120,9 @@ def test_rapidocr_exact_match_extra_and_process_pool_agree():
 
 class FakeJudge:
     """Scripted chat-completions server. `behaviours` is consumed one per request (last one repeats):
-    "ok" -> reply with `reply`, an int -> that HTTP status, "sleep" -> stall for `stall_s`, "garbage" -> non-JSON."""
+    "ok" -> reply with `reply` (a list: the k-th request gets reply[k]), an int -> that HTTP status, "sleep" -> stall
+    for `stall_s`, "garbage" -> non-JSON, "null_content" / "no_content" -> a chat completion whose message content
+    is null / missing."""
 
     def __init__(self, behaviours=("ok",), reply="Grand Opening", stall_s=2.0, delay_s=0.0):
         self.behaviours = list(behaviours)
@@ -153,9 +156,13 @@ class FakeJudge:
                         payload, status = b'{"error": "scripted failure"}', behaviour
                     elif behaviour == "garbage":
                         payload, status = b"<html>not json</html>", 200
+                    elif behaviour in ("null_content", "no_content"):
+                        message = {"role": "assistant", **({"content": None} if behaviour == "null_content" else {})}
+                        payload, status = json.dumps({"choices": [{"index": 0, "message": message}]}).encode(), 200
                     else:
+                        reply = judge.reply[k] if isinstance(judge.reply, list) else judge.reply
                         payload = json.dumps({"choices": [{"index": 0, "message": {
-                            "role": "assistant", "content": judge.reply}}]}).encode()
+                            "role": "assistant", "content": reply}}]}).encode()
                         status = 200
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -272,6 +279,153 @@ def test_genrm_http_unreachable_server_errors():
     scorer = http_scorer(f"127.0.0.1:{port}", genrm_max_retries=1)
     with pytest.raises(R.GenRMServerError, match="failed 2 attempt"):
         scorer.score_batch([noise_image()], ["a"], ["ocr"])
+
+
+class TricklingJudge:
+    """A chat-completions server that sends its reply one byte every `interval_s` (shorter than the client's
+    per-read socket timeout, so only a deadline over the whole reply ends the request): `where` = "body" (status
+    and headers at once, then the body byte by byte) or "headers" (the status line and headers byte by byte too)."""
+
+    def __init__(self, where: str = "body", interval_s: float = 0.25):
+        self.requests = 0
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                judge.requests += 1
+                body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Grand Opening"}}]})
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                data = (head + body).encode() if where == "headers" else body.encode()
+                try:
+                    if where == "body":
+                        self.wfile.write(head.encode())
+                        self.wfile.flush()
+                    for i in range(len(data)):
+                        self.wfile.write(data[i:i + 1])
+                        self.wfile.flush()
+                        time.sleep(interval_s)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("where", ["body", "headers"])
+def test_genrm_http_trickling_judge_is_cut_at_the_deadline(where):
+    """A server that keeps every read alive (a byte every 0.25 s, the reply would take ~20 s) cannot hold a request
+    past --genrm_timeout_s: each attempt ends at its 1 s deadline, the request after 2 attempts + a 0.05 s backoff."""
+    with TricklingJudge(where) as judge:
+        scorer = http_scorer(judge.url, genrm_timeout_s=1.0, genrm_max_retries=1, genrm_backoff_s=0.05)
+        start = time.monotonic()
+        with pytest.raises(R.GenRMServerError, match=r"failed 2 attempt\(s\).*deadline") as info:
+            scorer.score_batch([noise_image()], ["Grand Opening"], ["ocr"])
+        elapsed = time.monotonic() - start
+    budget = R.genrm_request_budget_s(1.0, 1, 0.05)
+    assert budget == pytest.approx(2.05)
+    assert budget - 0.1 <= elapsed < budget + 1.0, elapsed
+    assert judge.requests == 2
+    assert "sample 0 of the batch (ground truth 'Grand Opening')" in str(info.value)
+
+
+def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted(tmp_path):
+    """"" and whitespace replies score as empty transcriptions (0 against a target, 1 against an empty target), are
+    flagged per sample and reach the trainers' metrics as critic/reward/ocr/empty_reply_frac; the replies are kept."""
+    import training as T
+
+    with FakeJudge(reply=["", "Grand Opening", " \n\t", ""]) as judge:
+        scorer = http_scorer(judge.url, genrm_concurrency=1)
+        res = scorer.score_batch([noise_image(i) for i in range(4)], ["Grand Opening", "Grand Opening", "OPEN", ""],
+                                 ["ocr"] * 4)
+    assert res.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert res.extras[R.OCR_EMPTY_REPLY].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert res.texts["ocr/response"] == ["", "Grand Opening", " \n\t", ""]
+    metrics = T.reward_metrics(res.rewards, [0, 0, 1, 1],
+                               extras={k: v.tolist() for k, v in res.extras.items()})
+    assert metrics["critic/reward/ocr/empty_reply_frac"] == 0.75
+    assert "critic/reward/ocr/empty_reply_frac/mean" not in metrics
+    assert metrics["critic/reward/ocr/mean"] == 0.5
+    # the raw replies a training step keeps (judge_replies.jsonl), per sample with its row and reward
+    from types import SimpleNamespace
+    rows = [SimpleNamespace(index=7, data_source="ocr", ground_truth="Grand Opening"),
+            SimpleNamespace(index=9, data_source="ocr", ground_truth="OPEN")]
+    records = T.judge_records(rows, 2, res, phase="train", step=3)
+    out = tmp_path / "run"
+    out.mkdir()
+    T.log_judge_replies(str(out), records)
+    lines = [json.loads(line) for line in (out / T.JUDGE_LOG).read_text().splitlines()]
+    assert [(r["row"], r["sample"], r["ocr/response"], r["reward"]) for r in lines] == [
+        (7, 0, "", 0.0), (7, 1, "Grand Opening", 1.0), (9, 2, " \n\t", 0.0), (9, 3, "", 1.0)]
+    assert all(r["phase"] == "train" and r["step"] == 3 for r in lines)
+
+
+@pytest.mark.parametrize("shape", ["null_content", "no_content"])
+def test_genrm_http_reply_that_is_not_a_transcription_names_the_sample(shape):
+    with FakeJudge(behaviours=["ok", shape]) as judge:
+        scorer = http_scorer(judge.url, genrm_concurrency=1, genrm_max_retries=0)
+        with pytest.raises(R.GenRMServerError) as info:
+            scorer.score_batch([noise_image(0), noise_image(1)], ["a", "b"], ["ocr", "ocr"])
+    message = str(info.value)
+    assert "sample 1 of the batch (ground truth 'b')" in message
+    assert "not a transcription" in message and ("NoneType" in message or "KeyError" in message)
+
+
+def test_genrm_http_ctrl_c_does_not_wait_for_a_stalled_judge(tmp_path):
+    """SIGINT while a judge request stalls (server silent 40 s, --genrm_timeout_s 60): the process exits at once,
+    its request thread does not hold the interpreter's exit (a ThreadPoolExecutor's would, until the reply)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "import os, signal, sys, threading, torch\n"
+        "import rewards as R\n"
+        "scorer = R.RewardScorer(R.RewardConfig(ocr_backend='http', genrm_url=sys.argv[1], genrm_timeout_s=60.0,\n"
+        "                                       genrm_max_retries=0))\n"
+        "threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "scorer.score_batch([torch.zeros(3, 16, 16, dtype=torch.uint8)], ['a'], ['ocr'])\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with FakeJudge(behaviours=["sleep"], stall_s=40.0) as judge:
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, str(script), judge.url], capture_output=True, text=True, timeout=30,
+                              env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"))
+        elapsed = time.monotonic() - start
+        assert len(judge.requests) == 1  # the request was in flight when the SIGINT came
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < 20, elapsed
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("ocr=0", r"reward 'ocr' has weight 0"),
+    ("ocr=1,jpeg_compressibility=nan", r"reward 'jpeg_compressibility' has weight nan"),
+    ("pickscore=inf", r"reward 'pickscore' has weight inf"),
+    ("ocr=1,ocr=2", r"reward 'ocr' twice"),
+    ("ocr=x", r"weight of reward 'ocr' is 'x'"),
+    ("aesthetic=1", r"unknown reward 'aesthetic'"),
+])
+def test_bad_reward_weights_are_refused_at_parse_time(spec, match, capsys):
+    import argparse
+    parser = argparse.ArgumentParser()
+    R.add_reward_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--reward_weights", spec])
+    assert re.search(match, capsys.readouterr().err)
+    assert parser.parse_args(["--reward_weights", "ocr=1,jpeg_compressibility=-0.01"]).reward_weights == \
+        "ocr=1,jpeg_compressibility=-0.01"  # kept as written (a negative weight is a penalty, allowed)
 
 
 @pytest.mark.parametrize("url,expected", [

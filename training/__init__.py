@@ -20,7 +20,9 @@ One module per section, read in this order (`import training as T` gives every p
    `critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata.
 7. `step.py`: the parts of an online RL step both trainers share: flags, rollout requests, rewards, global
    advantages, validation, the adapter sync to the rollout workers (with its bound-module check).
-8. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
+8. `preflight.py`: every start-up check that needs no model (flags, image size, every dataset row against the
+   rewards, output folder, one judge request), run by `setup_run` before anything loads.
+9. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
    so each trainer file holds only its algorithm.
 """
@@ -34,8 +36,9 @@ from .data import *  # noqa: F401,F403
 from .checkpoint import *  # noqa: F401,F403
 from .logs import *  # noqa: F401,F403
 from .step import *  # noqa: F401,F403
+from .preflight import *  # noqa: F401,F403
 from .run import *  # noqa: F401,F403
 from .model import _full  # noqa: F401  (tests use it on DTensors)
 
-__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, run)  # noqa: F405
+__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight, run)  # noqa: F405
            for name in module.__all__]

@@ -43,7 +43,7 @@ from torch import nn
 
 from models import lora
 
-from .distributed import get_rank, get_world_size
+from .distributed import get_rank, get_world_size, on_rank0, raise_if_any_rank_failed
 from .model import ADAPTER_DEFAULT, _full, adapter_state_dict, load_adapter_state_, save_adapter_dir
 from .data import PromptSampler
 
@@ -110,7 +110,7 @@ RESUME_LOGGED: frozenset[str] = frozenset({
     "test_freq", "val_before_train", "num_val_images", "val_max_samples", "val_num_inference_steps", "val_seed",
     # where and how fast things run (same objective; float rounding and NFT's noise draws per micro-batch may differ)
     "micro_batch_size", "activation_checkpointing", "cfg_batch", "rollout_devices", "rollout_max_batch_size",
-    "rollout_timeout_s", "rollout_threads",
+    "rollout_timeout_s", "rollout_startup_timeout_s", "collective_timeout_s", "rollout_threads", "judge_log_freq",
     "base_weights_dtype", "activation_checkpointing_blocks", "rollout_python", "rollout_sync", "reward_overlap",
     # only read at step 0 (a resume restores the adapters) / only steer validation
     "init_adapter", "val_adapter",
@@ -403,17 +403,7 @@ def save_checkpoint(
 
 def _raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
     """Collective: every rank raises when any rank failed (instead of the others hanging in a later collective)."""
-    messages: list[Any] = [None] * get_world_size()
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    if dist.is_initialized() and get_world_size() > 1:
-        dist.all_gather_object(messages, mine)
-    else:
-        messages = [mine]
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+    raise_if_any_rank_failed(error, what, exc_type=CheckpointError)
 
 
 def _manifest(root: str, step: int) -> dict[str, Any]:
@@ -708,21 +698,9 @@ def prepare_resume(resume: str, ckpt_root: str, config: Mapping[str, Any], *,
 
 
 def _on_rank0(fn: Callable[[], Any], what: str = "") -> Any:
-    """`fn()` on rank 0 only, its result given to every rank (one broadcast). A CheckpointError or OSError there is
+    """`fn()` on rank 0 only, its result given to every rank (`on_rank0`). A CheckpointError or OSError there is
     raised as a CheckpointError on every rank (prefixed by `what`), so no rank waits in a later collective."""
-    payload: tuple[str, Any] | None = None
-    if get_rank() == 0:
-        try:
-            payload = ("ok", fn())
-        except (CheckpointError, OSError) as e:
-            payload = ("error", what + (str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"))
-    if dist.is_initialized() and get_world_size() > 1:
-        box = [payload]
-        dist.broadcast_object_list(box, src=0)
-        payload = box[0]
-    if payload[0] == "error":
-        raise CheckpointError(payload[1])
-    return payload[1]
+    return on_rank0(fn, catch=(CheckpointError, OSError), exc_type=CheckpointError, what=what)
 
 
 def _load_tensors(path: str, name: str) -> Any:

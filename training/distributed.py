@@ -7,15 +7,92 @@ import os
 import random
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "get_world_size", "get_local_rank",
-    "is_main_process", "is_local_main_process", "barrier", "all_gather_cat", "seed_everything"
+    "is_main_process", "is_local_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
+    "raise_if_any_rank_failed", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S"
 ]
+
+# What a collective waits beyond the longest per-phase timeout of the run before giving up (see collective_timeout_s)
+COLLECTIVE_TIMEOUT_MARGIN_S = 600.0
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed in a phase all ranks run together; the message is that rank's error, so every rank's log
+    says what went wrong (not a bare collective timeout)."""
+
+
+def raise_if_any_rank_failed(error: BaseException | None, what: str, *, exc_type: type = RankFailed,
+                             group: Any = None) -> None:
+    """Collective (one all_gather_object over `group`, default: every rank): every rank says whether its part of
+    phase `what` failed; a rank that failed re-raises its own error, every other rank raises `exc_type` with the
+    first failed rank's message ("<what> failed on rank R: <error>"). So an error seen by one rank (a frozen rollout
+    worker on a node's driver, a failed save on rank 0) ends every rank with the same explanation, instead of the
+    others dying later in a collective timeout. A no-op without a process group."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    messages: list[Any] = [mine]
+    if dist.is_initialized() and world > 1:
+        messages = [None] * world
+        dist.all_gather_object(messages, mine, group=group)
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        rank, message = failed[0]
+        if group is not None:
+            rank = dist.get_global_rank(group, rank)
+        raise exc_type(f"{what} failed on rank {rank}: {message}")
+
+
+def on_rank0(fn: Callable[[], Any], *, catch: tuple[type, ...], exc_type: type, what: str = "") -> Any:
+    """`fn()` on rank 0 only, its result given to every rank (one broadcast). An exception of a `catch` type there
+    is raised as `exc_type` on every rank (message prefixed by `what`), so no rank waits in a later collective."""
+    payload: tuple[str, Any] | None = None
+    if get_rank() == 0:
+        try:
+            payload = ("ok", fn())
+        except catch as e:
+            payload = ("error", what + (str(e) if isinstance(e, exc_type) else f"{type(e).__name__}: {e}"))
+    if dist.is_initialized() and get_world_size() > 1:
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+    if payload[0] == "error":
+        raise exc_type(payload[1])
+    return payload[1]
+
+
+def collective_timeout_s(args: Any) -> float:
+    """The timeout of every process group of a training run (the main group and the nodes' rollout subgroups):
+    `--collective_timeout_s` when set, else the longest per-phase timeout of the run plus
+    `COLLECTIVE_TIMEOUT_MARGIN_S`. While one rank works through a phase (a node's driver waiting up to
+    --rollout_timeout_s for a silent rollout worker or --rollout_startup_timeout_s for one that starts, a judge
+    request of up to (--genrm_max_retries + 1) x --genrm_timeout_s + backoff), the other ranks wait in a collective;
+    it must outlast the phase so that they hear the phase's own error (which the failing rank sends them) rather than
+    dying first in a bare timeout. An explicit value not above every phase timeout raises ValueError naming them."""
+    import rewards
+
+    phases = {
+        "--rollout_timeout_s": float(args.rollout_timeout_s),
+        "--rollout_startup_timeout_s": float(getattr(args, "rollout_startup_timeout_s", 0.0) or 0.0),
+        "a judge request ((--genrm_max_retries + 1) x --genrm_timeout_s + backoff)": rewards.genrm_request_budget_s(
+            args.genrm_timeout_s, args.genrm_max_retries, args.genrm_backoff_s) if args.ocr_backend == "http" else 0.0,
+    }
+    longest_flag, longest = max(phases.items(), key=lambda item: item[1])
+    chosen = getattr(args, "collective_timeout_s", None)
+    if chosen is None or chosen <= 0:
+        return longest + COLLECTIVE_TIMEOUT_MARGIN_S
+    if chosen <= longest:
+        raise ValueError(f"--collective_timeout_s {chosen:g} is not above {longest_flag} ({longest:g} s): ranks "
+                         f"waiting for that phase would time out before its error reaches them; pass a larger "
+                         f"value or 0 (= the longest phase timeout + {COLLECTIVE_TIMEOUT_MARGIN_S:g} s)")
+    return float(chosen)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,9 @@ def reward_metrics(
 
     rewards: (B,) or (B, T) (averaged over T first); uids: (B,) prompt ids, equal within a group; advantages:
     any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid. extras: numeric
-    per-sample reward extras (e.g. {"pickscore_raw": [...], "reward/ocr": [...]}) -> `critic/<key>/mean`.
+    per-sample reward extras (e.g. {"pickscore_raw": [...], "reward/ocr": [...]}) -> `critic/<key>/mean`; an extra
+    named `*_frac` holds a 0/1 flag per sample and is logged as the fraction `critic/<key>` (e.g.
+    `critic/reward/ocr/empty_reply_frac`, the judge's empty replies).
     """
     r = rewards.detach().float().cpu()
     if r.ndim == 2:
@@ -150,7 +152,8 @@ def reward_metrics(
             raise ValueError(f"reward extra {key!r} has {len(values)} values for {len(uids)} samples")
         values = np.asarray(values, dtype=np.float64)
         if np.isfinite(values).any():  # NaN marks samples another reward scored (mixed data sources)
-            out[f"critic/{key}/mean"] = float(np.nanmean(values))
+            # an extra named *_frac is a 0/1 flag per sample: its mean is the fraction itself
+            out[f"critic/{key}" if key.endswith("_frac") else f"critic/{key}/mean"] = float(np.nanmean(values))
     return out
 
 

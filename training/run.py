@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from models import lora
 
-from .distributed import cleanup_distributed, get_rank, init_distributed, seed_everything
+from .distributed import (cleanup_distributed, collective_timeout_s, get_rank, init_distributed, on_rank0,
+                          seed_everything)
+from .preflight import PreflightError, check_flags, run_preflight
 from .model import ADAPTER_DEFAULT, adapter_params, prepare_transformer
 from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
@@ -294,8 +296,9 @@ class Run:
 
 
 def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
-    """Both trainers' setup, in order: distributed init and seeds; the console log file; TensorBoard and run
-    metadata (config, versions, git commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2
+    """Both trainers' setup, in order: the model-free start-up checks (`training.preflight`: flags, sizes, every
+    dataset row, output folder, judge), distributed init (collective timeout from the flags) and seeds; the console
+    log file; TensorBoard and run metadata (config, versions, git commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2
     (`default` from --init_adapter when given); AdamW and the lr schedule; train/val data, the sampler and the
     batch-size checks; the reward scorer; `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr
     schedule); the rollout workers of this node. Adapters are NOT yet synced to the workers: the trainer does
@@ -306,9 +309,17 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     from rollout import DistributedRollout, check_rollout_python
 
     config = vars(args)
-    dist_info = init_distributed(resolve_device(args.device))
+    # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
+    # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
+    check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
+    dist_info = init_distributed(resolve_device(args.device), timeout_s=collective_timeout_s(args))
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
+    found = on_rank0(lambda: run_preflight(args, world), catch=(ValueError, OSError), exc_type=PreflightError)
     tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors
+    if rank == 0:
+        probe = f", judge answered in {found['judge_probe_s']:.2f} s" if "judge_probe_s" in found else ""
+        print(f"preflight: flags, {found['family']} size {args.height}x{args.width}, every dataset row, rewards "
+              f"{', '.join(found['rewards'])}, output folder ok{probe}", flush=True)
     seed_everything(args.seed)
     # --rollout_python, model-free, on the rank of each node that will start its rollout workers
     rollout_env = check_rollout_python(args.rollout_python, args.rollout_engine) if dist_info.is_local_main \
@@ -319,6 +330,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                        rollout_env=rollout_env)
 
     model_path = resolve_model_path(args.model_path)
+    if rank == 0:
+        print(f"loading the transformer from {model_path}", flush=True)
     model = load_flow_model(model_path, args, device)
     scale = guidance_of(model, args)
     targets = args.lora_target_modules.split(",") if args.lora_target_modules else list(model.default_lora_targets)
@@ -363,7 +376,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  log_dir=os.path.join(args.output_dir, "rollout_logs"),
                                  threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch,
                                  trainer_device=device.type, sync=args.rollout_sync,
-                                 python=args.rollout_python)
+                                 python=args.rollout_python, startup_timeout_s=args.rollout_startup_timeout_s,
+                                 collective_timeout_s=collective_timeout_s(args))
     return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,

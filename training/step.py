@@ -20,7 +20,7 @@ import torch
 import losses
 from models import lora
 
-from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_main_process
+from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_main_process, raise_if_any_rank_failed
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, _full, _strip_adapter, adapter_config_dict, adapter_params,
                     adapter_state_dict, base_weight_dtype, load_adapter_state_, save_adapter_dir)
 from .optim import LR_SCHEDULES
@@ -29,12 +29,13 @@ from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_t
                    validation_metrics)
 
 __all__ = [
-    "add_common_args", "resolve_device", "guidance_of", "rollout_request", "score_samples", "global_advantages",
+    "add_common_args", "resolve_device", "guidance_of", "guidance_for", "rollout_request", "score_samples",
+    "global_advantages",
     "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes",
     "resolve_adapter_dir", "adapter_arg", "load_init_adapter", "ValidationOutcome", "run_validation", "validate",
     "prune_rollout_adapters", "clean_rollout_adapters", "score_inputs", "RewardStream", "rollout_and_score",
     "submit_rollout", "peek_batch", "lag_next_rollout", "check_rollout_lag", "publish_adapter_tensors",
-    "publish_tensors"
+    "publish_tensors", "JUDGE_LOG", "judge_records", "log_judge_replies"
 ]
 
 
@@ -107,6 +108,8 @@ def add_common_args(parser) -> None:
     g.add_argument("--rollout_dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     g.add_argument("--rollout_max_batch_size", type=int, default=16, help="samples per rollout forward")
     g.add_argument("--rollout_timeout_s", type=float, default=3600.0, help="a rollout worker silent longer fails")
+    g.add_argument("--rollout_startup_timeout_s", type=float, default=1800.0,
+                   help="a rollout worker that has not loaded its model (and answered) after this long fails")
     g.add_argument("--rollout_threads", type=int, default=0, help="CPU threads per rollout worker (0 = default)")
     g.add_argument("--rollout_python", default=None,
                    help="Python interpreter of the rollout workers (default: the trainer's own), e.g. the bin/python "
@@ -149,6 +152,15 @@ def add_common_args(parser) -> None:
                         "that save when the step ended later than this many seconds after the signal (0 = always save)")
     g.add_argument("--output_dir", default="outputs/run", help="TensorBoard logs, checkpoints, adapters")
     g.add_argument("--log_every", type=int, default=1)
+    g.add_argument("--judge_log_freq", type=int, default=10,
+                   help="every N training steps, append every judge reply of the step (verbatim, with the row, "
+                        "ground truth and reward) to <output_dir>/judge_replies.jsonl; validation's are always "
+                        "appended (0 = training steps never)")
+    g.add_argument("--collective_timeout_s", type=float, default=0.0,
+                   help="timeout of the process groups (main and per node); 0 = the longest per-phase timeout "
+                        "(--rollout_timeout_s, --rollout_startup_timeout_s, a judge request with its retries) + "
+                        "600 s, so that a phase's error reaches every rank before a collective times out; a whole "
+                        "rollout or validation must finish within it")
     rewards.add_reward_args(parser)
 
 
@@ -159,13 +171,20 @@ def resolve_device(flag: str) -> str:
 
 
 def guidance_of(model, args) -> float:
-    """The CFG scale of the run from --guidance_scale (Boogu-Image) / --true_cfg_scale (Qwen-Image). An unset
-    --true_cfg_scale takes the trainer's Qwen-Image default `args.qwen_true_cfg_default` when it sets one
+    """The CFG scale of the run for the loaded `model` (see `guidance_for`)."""
+    return guidance_for(model.family, args)
+
+
+def guidance_for(family: str, args) -> float:
+    """The CFG scale of the run from --guidance_scale (Boogu-Image) / --true_cfg_scale (Qwen-Image), model-free. An
+    unset --true_cfg_scale takes the trainer's Qwen-Image default `args.qwen_true_cfg_default` when it sets one
     (train_nft.py: 1.0, verl-omni's DiffusionNFT recipe), else the model's (4.0)."""
+    from models.base import resolve_guidance
+
     true_cfg = args.true_cfg_scale
-    if true_cfg is None and model.family == "qwen_image":
+    if true_cfg is None and family == "qwen_image":
         true_cfg = getattr(args, "qwen_true_cfg_default", None)
-    return model.resolve_guidance(args.guidance_scale, true_cfg)
+    return resolve_guidance(family, args.guidance_scale, true_cfg)
 
 
 def rollout_request(rows: Sequence[Any], *, n: int, first_row: int, seed: int, step: int, num_inference_steps: int,
@@ -225,8 +244,9 @@ class RewardStream:
             if any(len(v) != size for v in payload.values()):
                 raise ValueError(f"score inputs of {[len(v) for v in payload.values()]} rows for {size} samples")
         self.by_chunk = scorer.scores_rows_independently([s for p in self.payloads for s in p["data_sources"]])
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers if self.by_chunk else 1,
-                                                          thread_name_prefix="reward")
+        import rewards  # daemon threads: a Ctrl-C never waits for a scoring call blocked on a stalled judge
+
+        self.pool = rewards.DaemonThreadPool(max_workers if self.by_chunk else 1, name="reward")
         self.futures: list[list[tuple[int, concurrent.futures.Future]]] = [[] for _ in self.sizes]
         self.waiting: list[list[tuple[int, torch.Tensor]]] = [[] for _ in self.sizes]  # whole-rank path
         self.spans: list[tuple[float, float]] = []
@@ -298,26 +318,70 @@ def submit_rollout(run, request, rows: Sequence[Any]) -> None:
                        consumer=(lambda payloads, sizes: RewardStream(scorer, payloads, sizes)) if overlap else None)
 
 
-def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, float]):
+def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, float], step: int | None = None):
     """This step's samples and their rewards: (RolloutResult, RewardResult) for this rank's `rows` x rollout_n, the
     same whether the rewards are scored while later chunks still sample (default) or after the whole rollout
     (--no_reward_overlap). Collects the rollout `submit_rollout` started one step earlier for this request
     (`--rollout_policy_lag 1`), else submits it now. Adds `timing_s/{gen,gen_sampling,reward,reward_total}`,
     `rollout/policy_lag`, the workers' memory (see `DistributedRollout.collect`) and `rollout/adapter_version` (the
-    step whose adapter the workers sampled with, as they report it) to `timings`. Collective."""
-    lagged = run.rollout.has_pending
-    if not lagged:
-        submit_rollout(run, request, rows)
-    result, scored, stats = run.rollout.collect(request, lagged=lagged)
-    if scored is None:  # --no_reward_overlap: each rank scores its own samples now
-        start = time.perf_counter()
-        scored = score_samples(run.scorer, result.images, rows, run.args.rollout_n)
-        stats["timing_s/reward"] = stats["timing_s/reward_total"] = time.perf_counter() - start
+    step whose adapter the workers sampled with, as they report it) to `timings`. A failure on any rank (a frozen
+    worker seen by a node's driver, a failed judge) ends every rank with that error (`raise_if_any_rank_failed`).
+    Every --judge_log_freq-th `step` the judge's raw replies go to <output_dir>/judge_replies.jsonl. Collective."""
+    error: BaseException | None = None
+    result = scored = None
+    stats: dict[str, float] = {}
+    try:
+        lagged = run.rollout.has_pending
+        if not lagged:
+            submit_rollout(run, request, rows)
+        result, scored, stats = run.rollout.collect(request, lagged=lagged)
+        if scored is None:  # --no_reward_overlap: each rank scores its own samples now
+            start = time.perf_counter()
+            scored = score_samples(run.scorer, result.images, rows, run.args.rollout_n)
+            stats["timing_s/reward"] = stats["timing_s/reward_total"] = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
+        error = e
+    raise_if_any_rank_failed(error, f"the rollout{f' of step {step}' if step is not None else ''}")
+    freq = getattr(run.args, "judge_log_freq", 0)
+    if step is not None and freq and step % freq == 0:
+        log_judge_replies(run.args.output_dir, judge_records(rows, run.args.rollout_n, scored, phase="train",
+                                                             step=step))
     version = result.metadata.get("adapter_version")  # as the workers report it: "v<step>" (sync_rollout_adapter)
     if isinstance(version, str) and version[1:].isdigit():
         stats["rollout/adapter_version"] = float(version[1:])
     timings.update(stats)
     return result, scored
+
+
+JUDGE_LOG = "judge_replies.jsonl"
+
+
+def judge_records(rows: Sequence[Any], n: int, scored, *, phase: str, step: int,
+                  first_sample: int = 0) -> list[dict[str, Any]]:
+    """One record per sample that a judge replied to (`scored.texts`, e.g. "ocr/response"), verbatim: phase
+    ("train" | "val"), step, rank, sample (this rank's position + `first_sample`), row (dataset row index),
+    data_source, ground_truth, reward and the reply. `rows` x `n` are the samples, prompt-major."""
+    records = []
+    for j in range(scored.rewards.shape[0]):
+        replies = {key: texts[j] for key, texts in scored.texts.items() if texts[j] is not None}
+        if not replies:
+            continue
+        row = rows[j // n]
+        records.append({"phase": phase, "step": step, "rank": get_rank(), "sample": first_sample + j,
+                        "row": row.index, "data_source": row.data_source, "ground_truth": row.ground_truth,
+                        "reward": float(scored.rewards[j]), **replies})
+    return records
+
+
+def log_judge_replies(output_dir: str, records: Sequence[dict[str, Any]]) -> None:
+    """Append every rank's `records` to <output_dir>/judge_replies.jsonl on rank 0 (one JSON object per line).
+    Collective."""
+    import json
+
+    everyone = [r for part in all_gather_objects(list(records)) for r in part]
+    if get_rank() == 0 and everyone:
+        with open(os.path.join(output_dir, JUDGE_LOG), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in everyone)
 
 
 def peek_batch(sampler):
@@ -628,9 +692,11 @@ def run_validation(rollout_client, scorer, dataset, args, *, family: str, scale:
         record = {"index": row.index, "data_source": row.data_source, "ground_truth": row.ground_truth,
                   "prompt": prompt_text(row.prompt), "seed": request.seeds[j], "reward": float(scored.rewards[j])}
         record.update({key: float(values[j]) for key, values in sorted(scored.extras.items())})
+        record.update({key: texts[j] for key, texts in sorted(scored.texts.items()) if texts[j] is not None})
         local.append(record)
     samples = [record for part in all_gather_objects(local) for record in part]
-    variables = sorted({k for r in samples for k in r} - {"index", "data_source", "ground_truth", "prompt", "seed"})
+    variables = sorted({k for r in samples for k, v in r.items() if isinstance(v, float)}  # texts are not scores
+                       - {"index", "data_source", "ground_truth", "prompt", "seed"})
     scores = {k: [r.get(k, float("nan")) for r in samples] for k in variables}  # "reward" + the reward extras
     metrics = validation_metrics([r["data_source"] for r in samples], scores)
     metrics = {k: v for k, v in metrics.items() if v == v}  # extras absent for a data source give NaN: drop them
@@ -645,8 +711,18 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
     outcome = run_validation(rollout_client, scorer, dataset, args, family=model.family, scale=scale)
     if get_rank() == 0:
         logger.log_scalars(outcome.metrics, step)
+        replies = [{"phase": "val", "step": step, "sample": k, "row": s["index"], "data_source": s["data_source"],
+                    "ground_truth": s["ground_truth"], "reward": s["reward"], "ocr/response": s["ocr/response"]}
+                   for k, s in enumerate(outcome.samples) if "ocr/response" in s]
+        if replies:  # every validated sample's judge reply, verbatim (the grid shows the first ones' too)
+            import json
+
+            with open(os.path.join(args.output_dir, JUDGE_LOG), "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in replies)
         if len(outcome.images):
-            captions = [f"r={s['reward']:.3f} | {s['prompt'][:100]}" for s in outcome.samples[:len(outcome.images)]]
+            captions = [f"r={s['reward']:.3f}" + (f" | judge: {s['ocr/response'][:60]!r}" if "ocr/response" in s
+                                                  else "") + f" | {s['prompt'][:100]}"
+                        for s in outcome.samples[:len(outcome.images)]]
             logger.log_image("val/samples", image_grid(outcome.images, captions), step)
         core = {key: v for key, v in outcome.metrics.items() if key.startswith("val-core/")}
         print(f"validation @ step {step}: " + ", ".join(f"{key} {v:.4f}" for key, v in core.items()), flush=True)

@@ -1,0 +1,171 @@
+"""Bad inputs refused before any model loads (training/preflight.py): each through `run_preflight` on the flags a
+trainer parses, and two through the real trainer CLI (timed, no model-loading line). Also the collective timeouts
+computed from the flags (training.collective_timeout_s), on the main group and the node subgroup."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import train_dppo
+import train_nft
+import training as T
+from test_rewards import FakeJudge
+from test_trainers import cli, demo_data, run_trainer  # noqa: F401 (fixture)
+
+
+def rewrite(src, dst, edit) -> str:
+    """Copy the parquet `src` to `dst` with `edit(rows)` applied to its rows (a list of dicts)."""
+    rows = pq.read_table(src).to_pylist()
+    edit(rows)
+    pq.write_table(pa.Table.from_pylist(rows), dst)
+    return str(dst)
+
+
+@pytest.fixture
+def flags(demo_data, tiny_models, tmp_path):  # noqa: F811
+    data = demo_data["qwen_image"]
+    return dict(model_path=os.path.join(tiny_models, "qwen_image"), train_files=data / "train.parquet",
+                val_files=data / "test.parquet", output_dir=tmp_path / "run", true_cfg_scale=1.0)
+
+
+def refused(argv: list[str], match: str, *, world: int = 1, parse=train_dppo.parse_args) -> str:
+    with pytest.raises(T.PreflightError) as info:
+        T.run_preflight(parse(argv), world)
+    assert re.search(match, str(info.value)), str(info.value)
+    return str(info.value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_good_flags_pass_and_report(flags):
+    found = T.run_preflight(train_dppo.parse_args(cli(**flags)), 1)
+    assert found == {"family": "qwen_image", "rewards": ["jpeg_compressibility"]}
+
+
+def test_bad_flags_and_sizes_are_refused(flags):
+    refused(cli(**flags, height=500), r"--height 500 .*height=500 is not a multiple of 16 .*use 496 or 512")
+    refused(cli(**flags, width=40), r"width=40 is not a multiple of 16 .*use 32 or 48")
+    refused(cli(**flags, train_batch_size=3), r"divisible by the 2 trainer ranks.*--train_batch_size 3", world=2)
+    refused(cli(**flags, micro_batch_size=3), r"micro_batch_size \(3\) must divide the per-rank mini-batch of 4")
+    refused(cli(**flags, rollout_n=0), r"--rollout_n 0: must be >= 1")
+    refused(cli(**flags, genrm_timeout_s=float("nan")), r"--genrm_timeout_s nan: must be a finite number > 0")
+    refused(cli(**flags, val_max_samples=1), r"validation uses 1 prompt.* needs one per trainer rank \(2\)", world=2)
+    refused(cli(**flags, rollout_timeout_s=1000, rollout_startup_timeout_s=10, collective_timeout_s=900),
+            r"--collective_timeout_s 900 is not above --rollout_timeout_s \(1000 s\)")
+
+
+def test_bad_dataset_rows_are_refused(flags, tmp_path):
+    train = flags["train_files"]
+
+    def unknown_source(rows):
+        rows[3]["data_source"] = "flow_grpo/ocr"
+
+    def empty_prompt(rows):
+        rows[5]["prompt"][-1]["content"] = "  "
+
+    bad = rewrite(train, tmp_path / "source.parquet", unknown_source)
+    refused(cli(**{**flags, "train_files": bad}), rf"--train_files: {re.escape(bad)}: row 3, column 'data_source': "
+                                                  r"'flow_grpo/ocr' names no known reward.*set_data_source.py")
+    bad = rewrite(train, tmp_path / "empty.parquet", empty_prompt)
+    refused(cli(**{**flags, "val_files": bad}), rf"--val_files: {re.escape(bad)}: row 5, column 'prompt': the user "
+                                                r"message has no text")
+    # multi-reward: a jpeg row has no extra_info['target_text'] for the OCR reward
+    refused(cli(**flags, reward_weights="jpeg_compressibility=1,ocr=0.5"),
+            r"row 0 \(data_source 'jpeg_compressibility'\) has no extra_info\['target_text'\]")
+    def pickscore(rows):
+        for row in rows:
+            row["data_source"] = "pickscore"
+
+    bad = rewrite(train, tmp_path / "pickscore.parquet", pickscore)
+    refused(cli(**{**flags, "train_files": bad}), r"'pickscore' reward but --pickscore_path is not set")
+
+
+def test_output_folder_must_be_writable(flags, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    refused(cli(**{**flags, "output_dir": not_a_dir}), r"--output_dir .*file exists and is not a folder")
+    out = tmp_path / "run2"
+    out.mkdir()
+    (out / "checkpoints").write_text("x")
+    refused(cli(**{**flags, "output_dir": out}), r"checkpoints/ .*checkpoints exists and is not a folder")
+    refused(cli(**{**flags, "output_dir": "/proc/flowrl-run"}), r"--output_dir /proc/flowrl-run cannot be created")
+
+
+def test_the_judge_is_probed_once_when_an_ocr_reward_is_scored(flags, tmp_path):
+    def ocr(rows):
+        for row in rows:
+            row["data_source"] = "ocr"
+
+    train = rewrite(flags["train_files"], tmp_path / "ocr.parquet", ocr)
+    argv = cli(**{**flags, "train_files": train, "val_files": None}, genrm_max_retries=0, genrm_timeout_s=2)
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    refused(argv + ["--genrm_url", f"127.0.0.1:{port}"],
+            rf"judge at --genrm_url 127.0.0.1:{port} did not answer a start-up probe request: GenRM server "
+            rf"http://127.0.0.1:{port}/v1/chat/completions failed 1 attempt")
+    assert time.monotonic() - start < 5
+    with FakeJudge(reply="") as judge:
+        found = T.run_preflight(train_dppo.parse_args(argv + ["--genrm_url", judge.url]), 1)
+    assert found["rewards"] == ["ocr"] and found["judge_probe_s"] < 5 and len(judge.requests) == 1
+    with FakeJudge(behaviours=["no_content"]) as judge:
+        refused(argv + ["--genrm_url", judge.url], r"did not answer a start-up probe.*not a transcription")
+
+
+def test_collective_timeouts_outlast_every_phase_timeout(monkeypatch):
+    """The main group and the nodes' rollout subgroups time out after the longest per-phase timeout + a margin (the
+    issue: rollout 3600 s against torch's defaults of 1800 s for both, so the waiting ranks died first)."""
+    import torch
+    import torch.distributed as dist
+
+    import rollout
+
+    base = ["--model_path", "m", "--train_files", "t"]
+    args = train_nft.parse_args(base)
+    assert (args.rollout_timeout_s, args.rollout_startup_timeout_s) == (3600.0, 1800.0)
+    seconds = T.collective_timeout_s(args)
+    assert seconds == 3600.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
+    # a judge request may take (retries + 1) x --genrm_timeout_s + the backoffs 1 + 2 + 4 s
+    assert T.collective_timeout_s(train_nft.parse_args(base + ["--genrm_timeout_s", "1200"])) == \
+        4 * 1200.0 + 7.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
+    assert T.collective_timeout_s(train_nft.parse_args(base + ["--collective_timeout_s", "4000"])) == 4000.0
+    monkeypatch.setattr(rollout, "RolloutGroup", lambda *a, **kw: object())  # the subgroup only, no workers
+    T.init_distributed("cpu", timeout_s=seconds)
+    try:
+        client = rollout.DistributedRollout("m", ["cpu"], collective_timeout_s=seconds)
+        for group in (dist.group.WORLD, client.node_group):
+            assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=seconds)
+    finally:
+        T.cleanup_distributed()
+
+
+@pytest.mark.parametrize("script,bad,match", [
+    ("train_dppo.py", dict(height=500), r"height=500 is not a multiple of 16"),
+    ("train_nft.py", "data_source", r"row 0, column 'data_source': 'aesthetic' names no known reward"),
+])
+def test_the_trainer_refuses_a_bad_input_before_loading_the_model(script, bad, match, flags, tmp_path):
+    if bad == "data_source":
+        def relabel(rows):
+            rows[0]["data_source"] = "aesthetic"
+        flags["train_files"] = rewrite(flags["train_files"], tmp_path / "bad.parquet", relabel)
+        bad = {}
+    start = time.monotonic()
+    proc = run_trainer(script, cli(**flags, **bad), nproc=1, expect_ok=False)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0 and re.search(match, proc.stderr), proc.stderr[-3000:]
+    assert "PreflightError" in proc.stderr
+    assert "loading the transformer" not in proc.stdout  # refused before any model was loaded
+    assert not os.path.exists(os.path.join(flags["output_dir"], "rollout_logs"))  # and before any rollout worker
+    assert elapsed < 60, elapsed  # torchrun + imports; the check itself is instant

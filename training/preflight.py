@@ -1,0 +1,186 @@
+"""Start-up checks that need no model: `setup_run` runs them before anything loads, so a bad flag, size, dataset
+row, output folder or judge stops the run within seconds with one message naming the flag, file or row and the fix.
+
+    run_preflight(args, world)      # rank 0 (setup_run shares the outcome with every rank); raises PreflightError
+
+In order: the flags (`check_flags`: counts, timeouts, batch sizes against the world size, rollout_n and the
+micro-batch size, the collective timeout); the image size for the model family (`models.check_size_for`: reads
+model_index.json and vae/config.json only); every row of --train_files and --val_files (`check_datasets`: the
+dataset's own row checks, a non-empty prompt, a data_source that names a reward, the ground truth a multi-reward
+needs, enough validation prompts for the ranks); what each reward needs (`check_rewards`: a PickScore folder);
+the output folder and its checkpoints/ can be written (`check_output_dir`); one tiny request to the judge when an
+OCR reward is scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here: --reward_weights
+refuses it at parse time (`rewards.reward_weights_arg`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from typing import Any, Sequence
+
+__all__ = ["PreflightError", "run_preflight", "check_flags", "check_datasets", "check_rewards", "check_output_dir",
+           "probe_judge", "rewards_used"]
+
+
+class PreflightError(ValueError):
+    """A bad input found before any model loads; the message names the flag, file or row and the fix."""
+
+
+def check_flags(args, world: int) -> None:
+    """Counts, timeouts and batch sizes (`check_batch_sizes`) of the run with `world` trainer ranks, and the
+    collective timeout (`collective_timeout_s`)."""
+    from .distributed import collective_timeout_s
+    from .step import check_batch_sizes
+
+    at_least = {"train_batch_size": 1, "rollout_n": 1, "micro_batch_size": 1, "ppo_epochs": 1,
+                "total_training_steps": 1, "save_freq": 1, "log_every": 1, "num_inference_steps": 1,
+                "val_num_inference_steps": 1, "lora_rank": 1, "rollout_max_batch_size": 1, "keep_last": 1,
+                "genrm_concurrency": 1, "genrm_max_retries": 0, "test_freq": 0, "judge_log_freq": 0,
+                "val_max_samples": 0, "num_val_images": 0, "max_consecutive_skips": 0}
+    for flag, low in at_least.items():
+        value = getattr(args, flag, low)
+        if value is not None and value < low:
+            raise PreflightError(f"--{flag} {value}: must be >= {low}")
+    for flag in ("rollout_timeout_s", "rollout_startup_timeout_s", "genrm_timeout_s", "lr"):
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value > 0 if flag != "lr" else
+                                      math.isfinite(value) and value >= 0):
+            raise PreflightError(f"--{flag} {value}: must be a finite number {'>= 0' if flag == 'lr' else '> 0'}")
+    if args.ppo_mini_batch_size is not None and args.ppo_mini_batch_size < 1:
+        raise PreflightError(f"--ppo_mini_batch_size {args.ppo_mini_batch_size}: must be >= 1 (or unset = "
+                             f"--train_batch_size)")
+    mini = args.ppo_mini_batch_size or args.train_batch_size
+    try:
+        check_batch_sizes(args.train_batch_size, mini, args.rollout_n, args.micro_batch_size, world)
+    except ValueError as e:
+        raise PreflightError(f"{e}; here --train_batch_size {args.train_batch_size}, --ppo_mini_batch_size {mini}, "
+                             f"--rollout_n {args.rollout_n}, --micro_batch_size {args.micro_batch_size} on {world} "
+                             f"trainer rank(s)") from None
+    try:
+        collective_timeout_s(args)
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
+
+
+def rewards_used(config, data_sources: Sequence[str]) -> list[str]:
+    """The rewards a run scores: every --reward_weights entry, else the data sources of its rows."""
+    return list(config.reward_weights) if config.reward_weights else sorted(set(data_sources))
+
+
+def check_datasets(args, family: str, world: int) -> list[str]:
+    """Read every row of --train_files and --val_files (`PromptDataset` with this run's guidance and the known
+    rewards as data sources, plus the ground truth each --reward_weights reward reads from extra_info) and check
+    that validation has a prompt per rank. Returns the data sources seen."""
+    import rewards
+    from data_prep.dataset import DatasetError, PromptDataset
+    from .step import guidance_for
+
+    guided = guidance_for(family, args) > 1.0
+    config = rewards.RewardConfig.from_args(args)
+    sources: list[str] = []
+    for flag in ("train_files", "val_files"):
+        path = getattr(args, flag)
+        if not path:
+            continue
+        try:
+            data = PromptDataset(path, guidance=guided, data_sources=rewards.REWARD_NAMES)
+        except (DatasetError, FileNotFoundError) as e:
+            raise PreflightError(f"--{flag}: {e}") from None
+        for i in range(len(data)):
+            source, info = data.metadata(i)
+            sources.append(source)
+            for name in config.reward_weights or {}:
+                key = rewards.GROUND_TRUTH_EXTRA_KEY.get(name)
+                if name != source and key is not None and not isinstance(info.get(key), str):
+                    raise PreflightError(
+                        f"--{flag} {path}: row {i} (data_source {source!r}) has no extra_info[{key!r}], the ground "
+                        f"truth --reward_weights {name}=... reads for rows of another data_source; add it (the "
+                        f"data_prep converters write it) or drop {name!r} from --reward_weights")
+        if flag == "val_files":
+            total = len(data) if not args.val_max_samples else min(len(data), args.val_max_samples)
+            if total < world:
+                raise PreflightError(f"--val_files {path}: validation uses {total} prompt(s) (--val_max_samples "
+                                     f"{args.val_max_samples}) but needs one per trainer rank ({world}); add rows "
+                                     f"or raise --val_max_samples")
+    return sources
+
+
+def check_rewards(args, names: Sequence[str]) -> None:
+    """What each reward in `names` needs that can be checked without loading it."""
+    if "pickscore" in names:
+        path = args.pickscore_path
+        if not path:
+            raise PreflightError("the rows or --reward_weights use the 'pickscore' reward but --pickscore_path is not "
+                                 "set; pass the PickScore_v1 CLIPModel folder")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise PreflightError(f"--pickscore_path {path}: no config.json there; pass a transformers CLIPModel "
+                                 f"folder (PickScore_v1)")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """--output_dir and its checkpoints/ can be created and written (a probe file is written and removed)."""
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    for folder, flag in ((output_dir, "--output_dir"), (checkpoints, "--output_dir's checkpoints/")):
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise PreflightError(f"{flag} {folder} exists and is not a folder; move it away or pass another "
+                                 f"--output_dir")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as e:
+        raise PreflightError(f"--output_dir {output_dir} cannot be created ({e.strerror or e}); pass a writable "
+                             f"folder") from None
+    for folder in (output_dir, checkpoints):
+        if not os.path.isdir(folder):
+            continue  # checkpoints/ is made at the first save, in the folder just probed
+        probe = os.path.join(folder, f".write-probe-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"probe")
+            os.remove(probe)
+        except OSError as e:
+            raise PreflightError(f"{folder} is not writable ({e.strerror or e}); checkpoints and logs go there: fix "
+                                 f"its permissions or pass another --output_dir") from None
+
+
+def probe_judge(args) -> float:
+    """One tiny OCR request (a 32x32 white image) through the run's own judge client, deadline and retries
+    included; returns its duration in seconds. A judge that is down, slow past its deadline or replies with
+    something that is not a chat completion raises PreflightError naming --genrm_url."""
+    import torch
+
+    import rewards
+
+    scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
+    start = time.monotonic()
+    try:
+        scorer.score_batch([torch.full((3, 32, 32), 255, dtype=torch.uint8)], ["probe"], ["ocr"])
+    except rewards.GenRMServerError as e:
+        raise PreflightError(f"the OCR judge at --genrm_url {args.genrm_url} did not answer a start-up probe "
+                             f"request: {e.detail}") from None
+    return time.monotonic() - start
+
+
+def run_preflight(args, world: int) -> dict[str, Any]:
+    """Every model-free check, in the order of the module docstring; raises PreflightError at the first bad input.
+    Returns what it found (family, rewards, judge probe seconds) for the log."""
+    from models import check_size_for, resolve_model_path
+
+    import rewards
+
+    check_flags(args, world)
+    try:
+        family = check_size_for(resolve_model_path(args.model_path), args.height, args.width)
+    except (ValueError, FileNotFoundError) as e:
+        raise PreflightError(f"--model_path {args.model_path} with --height {args.height} --width {args.width}: "
+                             f"{e}") from None
+    sources = check_datasets(args, family, world)
+    names = rewards_used(rewards.RewardConfig.from_args(args), sources)
+    check_rewards(args, names)
+    check_output_dir(args.output_dir)
+    found: dict[str, Any] = {"family": family, "rewards": names}
+    if "ocr" in names and args.ocr_backend == "http":
+        found["judge_probe_s"] = probe_judge(args)
+    return found
