@@ -21,8 +21,8 @@
 #
 # Idempotent: a stamp file holds the hash of the pinned list; when it matches and the import check passes the
 # script exits at once. A stale or broken venv is deleted and rebuilt. Any failure exits non-zero.
-# Afterwards: "$VENV_DIR/bin/python" -m pytest tests_vllm_omni -q
-#             ROLLOUT_PYTHON="$VENV_DIR/bin/python" python3 -m pytest tests_rollout_env -q
+# Afterwards: "$VENV_DIR/bin/python" -m pytest -o addopts=-ra tests_vllm_omni -q
+#             ROLLOUT_PYTHON="$VENV_DIR/bin/python" python3 -m pytest -o addopts=-ra tests_rollout_env -q
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -27,12 +27,18 @@ def tiny_models() -> str:
     """Directory holding the tiny checkpoints (qwen_image/, boogu_image_base/, ...).
 
     Builds every checkpoint that is not yet complete (a folder is complete once its `.complete` marker, written
-    last, holds the hash of the builder script), so a cache built by the same builders is reused as is.
+    last, holds the hash of the builder script), so a cache built by the same builders is reused as is. Under
+    pytest-xdist (pytest.ini: `-n 2`) every worker runs this: an exclusive lock on `<dir>/.lock` lets one build while
+    the others wait, then find the folders complete.
     """
+    import fcntl
+
     import build_tiny_models
 
     out = tiny_models_dir()
     os.makedirs(out, exist_ok=True)
-    for name in build_tiny_models.builders():
-        build_tiny_models.build_one(name, out, force=False)
+    with open(os.path.join(out, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name in build_tiny_models.builders():
+            build_tiny_models.build_one(name, out, force=False)
     return out

@@ -16,6 +16,9 @@ import torch
 import bench_learning as B
 from trainer_runs import REPO, scalars
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_bench_learning")
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

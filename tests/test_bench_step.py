@@ -13,6 +13,9 @@ import sys
 
 import pytest
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_bench_step")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -11,6 +11,9 @@ import rollout
 from models import load_model
 from models.base import PromptEmbeds
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_cfg_batch")
+
 SIZE = 64
 # Prompt and negative of clearly different token lengths, longer on either side, so the common padded width differs
 # from both branches' own widths.

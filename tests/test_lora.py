@@ -28,6 +28,9 @@ from models.lora import (
 from models.boogu_image import BooguImageModel, BooguImageTransformer2DModel
 from models.qwen_image import QwenImageModel
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_lora")
+
 BOOGU_TARGETS = BooguImageModel.default_lora_targets
 BOOGU_BLOCKS = BooguImageModel.lora_block_prefixes
 

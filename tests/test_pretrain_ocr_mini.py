@@ -15,6 +15,9 @@ import torch
 
 import pretrain_ocr_mini as pom
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_pretrain_ocr_mini")
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data: vocabulary, templates, seeds, renders

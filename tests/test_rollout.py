@@ -16,6 +16,9 @@ from models import load_model
 from models.base import PromptEmbeds
 from rollout import RolloutError, RolloutGroup, RolloutRequest, RolloutResult
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_rollout")
+
 SIZE = 64
 OCR_PROMPTS = ['A storefront sign that reads "OPEN"', 'A chalkboard menu that says "Soup of the day"']
 

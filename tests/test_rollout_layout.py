@@ -16,6 +16,9 @@ import training as T
 from models import load_model, lora
 from rollout import RolloutError, RolloutRequest, RolloutResult
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_rollout_layout")
+
 SIZE = 64
 PROMPTS = ['A storefront sign that reads "OPEN"', 'A chalkboard menu that says "Soup of the day"']
 

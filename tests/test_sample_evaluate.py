@@ -27,6 +27,9 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 from test_trainers import cli, run_trainer, scalars, val_grid  # noqa: E402
 
+# one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
+pytestmark = pytest.mark.xdist_group("test_sample_evaluate")
+
 KEY = "val-core/jpeg_compressibility/reward/mean@1"
 
 

@@ -174,22 +174,30 @@ def test_guided_rows_without_negative_prompt_fail_closed(demo_data, tiny_models,
     ("train_dppo.py", dict(sde_window_size=2, sde_window_range="0,3")),
     ("train_nft.py", dict(mix_beta=0.1, adv_clip_max=1.0)),
 ])
-def test_learning_beats_a_zero_lr_control(demo_data, tiny_models, tmp_path, script, extra):
-    """A fixed-seed run raises the mean jpeg_compressibility reward by a margin clearly beyond the lr = 0 control
-    (same prompts and rollout seeds: the control differs only by not updating)."""
+def test_learning_raises_the_held_out_reward_beyond_the_lr0_control(demo_data, tiny_models, tmp_path, script, extra):
+    """16 steps raise the held-out jpeg_compressibility reward (8 prompts, fixed val seeds, ODE, no noise) by >= 0.025
+    over the same validation before training. The validation before training is exactly the lr = 0 control's (lr 0
+    leaves the zero-B adapter untouched; measured: -2.9415 before and after 16 steps at lr 0, seeds 1 and 2), so the
+    gain is the policy's alone and needs no second run. The training reward is logged but not gated: its prompts
+    change every step, and a 16-step lr = 0 run already drifts by up to 0.01 from that alone.
+
+    lr 2e-2 is a step size where both algorithms learn smoothly. Measured on this 2-core machine kind, held-out gain
+    over seeds 42 / 1 / 2: DiffusionNFT 0.090 / 0.129 / 0.106, Flow-DPPO 0.173 / 0.048 / 0.066 (the default seed 42
+    clears the bar 3.6x and 7x). At lr 5e-2 (the earlier setting, whose NFT case failed on another host) both are
+    chaotic: NFT's grad norm grows 200x in 16 steps (0.0035 -> 0.73) and its training reward rises to step 6, then
+    falls below the start (seed 42); Flow-DPPO's falls back on seed 1. An overshooting step size -- the `old`
+    adapter is a hard copy every step here, so no stale old policy is involved -- not a defect of either loss."""
     steps = 16
-
-    def run(lr, name):
-        out = tmp_path / name
-        run_trainer(script, qwen_dppo(tiny_models, demo_data, true_cfg_scale=1.0, rollout_n=8, micro_batch_size=8,
-                                      lora_rank=8, lora_alpha=16, total_training_steps=steps, lr=lr,
-                                      output_dir=out, **extra), nproc=1)
-        return torch.tensor(values(scalars(out), "critic/rewards/mean"))
-
-    trained, control = run(5e-2, "trained"), run(0.0, "control")
-    gain = trained[-4:].mean() - trained[:4].mean()
-    control_gain = control[-4:].mean() - control[:4].mean()
-    assert gain > control_gain + 3 * control.std(), (trained.tolist(), control.tolist())
+    out = tmp_path / "run"
+    run_trainer(script, qwen_dppo(tiny_models, demo_data, val_files=demo_data["qwen_image"] / "test.parquet",
+                                  val_max_samples=8, true_cfg_scale=1.0, rollout_n=8, micro_batch_size=8, lora_rank=8,
+                                  lora_alpha=16, total_training_steps=steps, lr=2e-2, output_dir=out, **extra)
+                + ["--val_before_train"], nproc=1)
+    m = scalars(out)
+    val = dict(m["val-core/jpeg_compressibility/reward/mean@1"])
+    assert sorted(val) == [0, steps], val
+    assert len(values(m, "critic/rewards/mean")) == steps
+    assert val[steps] - val[0] >= 0.025, (val, values(m, "critic/rewards/mean"))
 
 
 def test_two_nodes_each_drive_their_own_rollout_workers(demo_data, tiny_models, tmp_path):
