@@ -118,7 +118,25 @@ def test_rapidocr_exact_match_extra_and_process_pool_agree():
 # GenRM over HTTP: a local OpenAI-compatible test server on loopback
 # ------------------------------------------------------------------------------------------------------------------
 
-class FakeJudge:
+class LocalServer:
+    """A `ThreadingHTTPServer` on a free 127.0.0.1 port serving `handler` from a daemon thread inside a `with`."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]):
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeJudge(LocalServer):
     """Scripted chat-completions server. `behaviours` is consumed one per request (last one repeats):
     "ok" -> reply with `reply` (a list: the k-th request gets reply[k]), an int -> that HTTP status, "sleep" -> stall
     for `stall_s`, "garbage" -> non-JSON, "null_content" / "no_content" -> a chat completion whose message content
@@ -175,18 +193,7 @@ class FakeJudge:
                     with judge.lock:
                         judge.in_flight -= 1
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 def http_scorer(url, **kw) -> R.RewardScorer:
@@ -281,7 +288,7 @@ def test_genrm_http_unreachable_server_errors():
         scorer.score_batch([noise_image()], ["a"], ["ocr"])
 
 
-class TricklingJudge:
+class TricklingJudge(LocalServer):
     """A chat-completions server that sends its reply one byte every `interval_s` (shorter than the client's
     per-read socket timeout, so only a deadline over the whole reply ends the request): `where` = "body" (status
     and headers at once, then the body byte by byte) or "headers" (the status line and headers byte by byte too)."""
@@ -311,17 +318,7 @@ class TricklingJudge:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.mark.parametrize("where", ["body", "headers"])

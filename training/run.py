@@ -298,8 +298,8 @@ class Run:
 def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     """Both trainers' setup, in order: the model-free start-up checks (`training.preflight`: flags, sizes, every
     dataset row, output folder, judge), distributed init (collective timeout from the flags) and seeds; the console
-    log file; TensorBoard and run metadata (config, versions, git commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2
-    (`default` from --init_adapter when given); AdamW and the lr schedule; train/val data, the sampler and the
+    log file; TensorBoard and run metadata (config, versions, git commit); the model (transformer only), LoRA
+    adapters `adapter_names` + FSDP2 (`default` from --init_adapter when given); AdamW and the lr schedule; train/val data, the sampler and the
     batch-size checks; the reward scorer; `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr
     schedule); the rollout workers of this node. Adapters are NOT yet synced to the workers: the trainer does
     that with the adapter its algorithm samples from."""
@@ -312,7 +312,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
     # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
     check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
-    dist_info = init_distributed(resolve_device(args.device), timeout_s=collective_timeout_s(args))
+    group_timeout_s = collective_timeout_s(args)  # the main group's and the rollout node subgroups'
+    dist_info = init_distributed(resolve_device(args.device), timeout_s=group_timeout_s)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     found = on_rank0(lambda: run_preflight(args, world), catch=(ValueError, OSError), exc_type=PreflightError)
     tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors
@@ -377,7 +378,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch,
                                  trainer_device=device.type, sync=args.rollout_sync,
                                  python=args.rollout_python, startup_timeout_s=args.rollout_startup_timeout_s,
-                                 collective_timeout_s=collective_timeout_s(args))
+                                 collective_timeout_s=group_timeout_s)
     return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,

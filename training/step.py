@@ -376,12 +376,18 @@ def judge_records(rows: Sequence[Any], n: int, scored, *, phase: str, step: int,
 def log_judge_replies(output_dir: str, records: Sequence[dict[str, Any]]) -> None:
     """Append every rank's `records` to <output_dir>/judge_replies.jsonl on rank 0 (one JSON object per line).
     Collective."""
+    everyone = [r for part in all_gather_objects(list(records)) for r in part]
+    if get_rank() == 0:
+        append_judge_log(output_dir, everyone)
+
+
+def append_judge_log(output_dir: str, records: Sequence[dict[str, Any]]) -> None:
+    """Append `records` to <output_dir>/judge_replies.jsonl, one JSON object per line (this process only)."""
     import json
 
-    everyone = [r for part in all_gather_objects(list(records)) for r in part]
-    if get_rank() == 0 and everyone:
+    if records:
         with open(os.path.join(output_dir, JUDGE_LOG), "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in everyone)
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def peek_batch(sampler):
@@ -714,11 +720,7 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
         replies = [{"phase": "val", "step": step, "sample": k, "row": s["index"], "data_source": s["data_source"],
                     "ground_truth": s["ground_truth"], "reward": s["reward"], "ocr/response": s["ocr/response"]}
                    for k, s in enumerate(outcome.samples) if "ocr/response" in s]
-        if replies:  # every validated sample's judge reply, verbatim (the grid shows the first ones' too)
-            import json
-
-            with open(os.path.join(args.output_dir, JUDGE_LOG), "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in replies)
+        append_judge_log(args.output_dir, replies)  # every validated reply, verbatim (the grid shows the first)
         if len(outcome.images):
             captions = [f"r={s['reward']:.3f}" + (f" | judge: {s['ocr/response'][:60]!r}" if "ocr/response" in s
                                                   else "") + f" | {s['prompt'][:100]}"
