@@ -177,8 +177,8 @@ def test_guided_rows_without_negative_prompt_fail_closed(demo_data, tiny_models,
 def test_learning_raises_the_held_out_reward_beyond_the_lr0_control(demo_data, tiny_models, tmp_path, script, extra):
     """16 steps raise the held-out jpeg_compressibility reward (8 prompts, fixed val seeds, ODE, no noise) by >= 0.025
     over the same validation before training. The validation before training is exactly the lr = 0 control's (lr 0
-    leaves the zero-B adapter untouched; measured: -2.9415 before and after 16 steps at lr 0, seeds 1 and 2), so the
-    gain is the policy's alone and needs no second run. The training reward is logged but not gated: its prompts
+    leaves the zero-B adapter untouched; measured: -2.9415 before training on every seed run, and after 16 lr = 0
+    steps on seeds 1 and 2), so the gain is the policy's alone and needs no second run. The training reward is logged but not gated: its prompts
     change every step, and a 16-step lr = 0 run already drifts by up to 0.01 from that alone.
 
     lr 2e-2 is a step size where both algorithms learn smoothly. Measured on this 2-core machine kind, held-out gain
