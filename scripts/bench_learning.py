@@ -471,8 +471,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget_s", type=float, default=60.0,
                    help="per run: the trainers' --max_wall_time_s (stop at the first step boundary after this)")
     p.add_argument("--steps", type=int, default=None, help="per run: this many steps instead of --budget_s")
-    p.add_argument("--algorithms", default="nft,dppo,grpo,control",
-                   help=f"comma-separated subset of {list(ALGORITHMS)} (run in this order)")
+    p.add_argument("--algorithms", default="control,nft,dppo,grpo",
+                   help=f"comma-separated subset of {list(ALGORITHMS)} (run in this order; the control first, so a "
+                        "session cut short still has the floor to compare against)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="trainer device; its rollout worker shares it (cuda:0 or cpu)")
     p.add_argument("--ocr_workers", type=int, default=max(1, min(16, (os.cpu_count() or 1) - 2)),
@@ -575,10 +576,27 @@ def main(argv=None) -> dict[str, Any]:
         require_flag(sorted({ALGORITHMS[n].script for n in args.names}), "--max_wall_time_s")
     timeout_s = args.timeout_s or (1800.0 if budget_s is None else 3 * budget_s + 600)
 
+    labels = {n: ALGORITHMS[n].label for n in args.names}
+    header = {
+        "benchmark": "bench_learning", "schema_version": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "argv": sys.argv[1:] if argv is None else list(argv), "smoke": args.smoke, "model_path": model_path,
+        "train_files": train_files, "val_files": val_files, "device": device,
+        "budget": ({"mode": "steps", "total_training_steps": args.steps} if budget_s is None else
+                   {"mode": "max_wall_time_s", "max_wall_time_s": budget_s}),
+        "gpu_seconds_definition": GPU_SECONDS, "control": CONTROL_WHY, "scaling": SCALING,
+        "held_out": {"reward_key": REWARD_KEY, "exact_match_key": EXACT_KEY,
+                     "exact_match_definition": "rewards.ocr_exact_match: the whole transcription equals the target "
+                                               "after removing whitespace and lowercasing",
+                     **{k: common[k] for k in ("val_max_samples", "val_num_inference_steps", "val_seed",
+                                               "test_freq")}},
+    }
+    title = (f"bench_learning: {', '.join(labels.values())}; "
+             + (f"{args.steps} steps each" if budget_s is None else f"{budget_s:g} s budget each"))
+
     records: dict[str, RunRecord] = {}
     runs: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
-    labels = {n: ALGORITHMS[n].label for n in args.names}
     for name in args.names:
         algo = ALGORITHMS[name]
         if args.smoke:
@@ -602,30 +620,19 @@ def main(argv=None) -> dict[str, Any]:
         wall = time.perf_counter() - start
         records[name] = rec
         runs[name] = run_entry(algo, flags, trainer_argv, rec, wall, run_dir)
+        pending = args.names[args.names.index(name) + 1:]
+        if pending:  # a report after every run: a session cut short still leaves the JSON and the pictures
+            write_report(records, runs, {n: labels[n] for n in records}, {**header, "complete": False,
+                         "pending": pending}, args.out_dir, title, say=lambda _: None)
         last = rec.curve[-1]
         say(f"   {name}: {rec.steps} steps, {rec.gpu_seconds:.1f} GPU-s, {wall:.1f} s wall; held-out reward "
             f"{rec.curve[0]['reward']:.3f} -> {last['reward']:.3f} (step {last['step']})"
             + ("" if rec.final_step_validated else f"; the last step ({rec.steps}) was not validated"))
 
-    header = {
-        "benchmark": "bench_learning", "schema_version": 1,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "argv": sys.argv[1:] if argv is None else list(argv), "smoke": args.smoke, "model_path": model_path,
-        "train_files": train_files, "val_files": val_files, "device": device,
-        "budget": ({"mode": "steps", "total_training_steps": args.steps} if budget_s is None else
-                   {"mode": "max_wall_time_s", "max_wall_time_s": budget_s}),
-        "gpu_seconds_definition": GPU_SECONDS, "control": CONTROL_WHY, "scaling": SCALING,
-        "held_out": {"reward_key": REWARD_KEY, "exact_match_key": EXACT_KEY,
-                     "exact_match_definition": "rewards.ocr_exact_match: the whole transcription equals the target "
-                                               "after removing whitespace and lowercasing",
-                     **{k: common[k] for k in ("val_max_samples", "val_num_inference_steps", "val_seed",
-                                               "test_freq")}},
-    }
-    title = (f"bench_learning: {', '.join(labels.values())}; "
-             + (f"{args.steps} steps each" if budget_s is None else f"{budget_s:g} s budget each"))
     if not records:
         raise SystemExit(f"every run failed ({', '.join(failed)}); see {log_path}")
-    doc = write_report(records, runs, {n: labels[n] for n in records}, header, args.out_dir, title, say=say)
+    doc = write_report(records, runs, {n: labels[n] for n in records}, {**header, "complete": True},
+                       args.out_dir, title, say=say)
     if failed:
         raise SystemExit(f"runs {', '.join(failed)} failed (their errors are in {FILES['json']} and {log_path}); "
                          f"the report covers {', '.join(records)}")

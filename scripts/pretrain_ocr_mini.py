@@ -76,6 +76,7 @@ STATE_FILE = "state.json"
 VAE_FILE = "vae.safetensors"
 TRANSFORMER_FILE = "transformer.safetensors"
 LOG_FILE = "log.txt"
+SHIP_VAE_FILE = "compact_bf16.safetensors"  # the shipped VAE weights, frame convs cut to their one live tap
 
 # ---------------------------------------------------------------------------------------------------------------
 # Vocabulary, prompt templates, seeds
@@ -177,65 +178,130 @@ def vae_eval_seeds(n: int) -> range:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Rendering (Pillow's built-in scalable font)
+# Rendering (DejaVu Sans Mono Bold, the TrueType font matplotlib ships)
 # ---------------------------------------------------------------------------------------------------------------
 
+# Bold, large, monospaced glyphs: the thin built-in font covered ~4% of the pixels and the VAE learned nothing but
+# the flat background (see docs/LEARNING.md). RENDER_VERSION is part of the run config: a state built from other
+# renders is never resumed with these.
+RENDER_VERSION = "dejavu-mono-bold/full-colour/v1"
+FONT_FILE = "DejaVuSansMono-Bold.ttf"
+LUMA = np.array([0.299, 0.587, 0.114])  # Rec. 601 luma of RGB in [0, 1]
+MIN_LUMA_GAP = 0.4                      # text vs every background pixel
+MARGIN_FRAC = 0.06                      # the text's bbox stays this far (x side) from every edge
+
 _FONTS: dict[int, Any] = {}
+_FIT: dict[tuple[str, int], int] = {}
+
+
+def font_path() -> Path:
+    """DejaVu Sans Mono Bold from matplotlib's mpl-data (found without importing matplotlib)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("matplotlib")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"matplotlib is not installed: the renders use its {FONT_FILE} "
+                           "(python3 -m pip install -r requirements.txt)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "mpl-data" / "fonts" / "ttf" / FONT_FILE
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: this matplotlib does not ship {FONT_FILE}")
+    return path
 
 
 def check_font() -> None:
-    """Fail clearly unless Pillow has FreeType (ImageFont.load_default(size=) is then the scalable Aileron font)."""
+    """Fail clearly unless Pillow has FreeType and the TrueType font loads."""
     from PIL import ImageFont, features
 
     if not features.check("freetype2"):
-        raise RuntimeError("Pillow was built without FreeType: ImageFont.load_default(size=...) cannot scale. "
+        raise RuntimeError("Pillow was built without FreeType, so TrueType fonts cannot be drawn. "
                            "Install a Pillow wheel with FreeType (the PyPI wheels have it).")
-    font = ImageFont.load_default(size=20)
-    if not isinstance(font, ImageFont.FreeTypeFont):
-        raise RuntimeError(f"ImageFont.load_default(size=20) returned {type(font).__name__}, not a FreeTypeFont; "
-                           "Pillow >= 10.1 with FreeType is required")
+    ImageFont.truetype(str(font_path()), 20)
 
 
 def _font(size: int):
     from PIL import ImageFont
 
     if size not in _FONTS:
-        _FONTS[size] = ImageFont.load_default(size=size)
+        _FONTS[size] = ImageFont.truetype(str(font_path()), size)
     return _FONTS[size]
 
 
-def _luminance(rgb: np.ndarray) -> float:
-    return float(rgb @ np.array([0.299, 0.587, 0.114]) / 255.0)
+def fitting_font_size(word: str, size: int) -> int:
+    """The largest font size whose bbox of `word` fits inside the margins of a `size` square, capped at size / 2."""
+    key = (word, size)
+    if key not in _FIT:
+        box = size - 2 * max(1, round(MARGIN_FRAC * size))
+        lo, hi = 6, max(6, size // 2)
+        while lo < hi:  # largest fitting size in [6, size // 2] (bbox grows with the size)
+            mid = (lo + hi + 1) // 2
+            left, top, right, bottom = _font(mid).getbbox(word)
+            lo, hi = (mid, hi) if right - left <= box and bottom - top <= box else (lo, mid - 1)
+        _FIT[key] = lo
+    return _FIT[key]
 
 
-def render_word(word: str, seed: int, size: int) -> np.ndarray:
-    """One (size, size, 3) uint8 render of `word`, a pure function of (word, seed, size).
+def colour_with_luma(rgb: np.ndarray, luma: float) -> np.ndarray:
+    """Move `rgb` (3,) in [0, 1] to luma `luma` along the line to black (if darker) or white (if lighter).
 
-    Solid background and text colours with luminance contrast >= 0.45 (dark on light, or light on dark with
-    probability 0.3); font size uniform in [0.22, 0.34] x size, shrunk until the word fits inside a 6% margin;
-    position uniform over the places where it fits.
+    Luma is linear in RGB, so c * t / l has luma t, and 1 - (1 - c)(1 - t)/(1 - l) also has luma t.
+    """
+    current = float(rgb @ LUMA)
+    if current >= luma:
+        return rgb * (luma / max(current, 1e-6))
+    return 1.0 - (1.0 - rgb) * ((1.0 - luma) / max(1.0 - current, 1e-6))
+
+
+def background(rng: np.random.Generator, size: int, lumas: tuple[float, float]) -> np.ndarray:
+    """(size, size, 3) float background in [0, 1]: solid (p 0.5), or two colours split along a random line
+    (p 0.25) or a linear gradient between them in a random direction (p 0.25); colour k has luma in lumas[k]'s
+    band (the caller picks both on the same side of the text's luma, so every pixel keeps the gap)."""
+    a = colour_with_luma(rng.uniform(0.0, 1.0, 3), lumas[0])
+    kind = rng.random()
+    if kind < 0.5:
+        return np.broadcast_to(a, (size, size, 3)).copy()
+    b = colour_with_luma(rng.uniform(0.0, 1.0, 3), lumas[1])
+    angle = rng.uniform(0.0, 2.0 * np.pi)
+    ys, xs = np.mgrid[0:size, 0:size] / max(size - 1, 1)
+    u = np.cos(angle) * xs + np.sin(angle) * ys
+    u = (u - u.min()) / max(u.max() - u.min(), 1e-6)
+    t = (u >= rng.uniform(0.3, 0.7)).astype(np.float64) if kind < 0.75 else u
+    return a * (1.0 - t[..., None]) + b * t[..., None]
+
+
+def render_parts(word: str, seed: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces of one render, a pure function of (word, seed, size): background (size, size, 3) float in
+    [0, 1], text colour (3,) in [0, 1] and glyph coverage (size, size) in [0, 1] (antialiased).
+
+    Text colour uniform in the RGB cube; background lumas at least MIN_LUMA_GAP (+1/255 for rounding) away from
+    the text's, on one side of it (dark or light, whichever fits; either at random when both do); the font
+    size is uniform in [0.8, 1.0] of the largest that fits the margins (capped at half the side); position
+    uniform over the places where the word fits inside the margins.
     """
     from PIL import Image, ImageDraw
 
     rng = np.random.default_rng(seed)
-    margin = max(1, round(0.06 * size))
-    font_size = int(rng.integers(round(0.22 * size), round(0.34 * size) + 1))
-    while True:
-        left, top, right, bottom = _font(font_size).getbbox(word)
-        if (right - left <= size - 2 * margin and bottom - top <= size - 2 * margin) or font_size <= 6:
-            break
-        font_size -= 1
-    while True:
-        light = rng.integers(150, 256, 3)
-        dark = rng.integers(0, 106, 3)
-        if _luminance(light) - _luminance(dark) >= 0.45:
-            break
-    bg, fg = (dark, light) if rng.random() < 0.3 else (light, dark)
+    margin = max(1, round(MARGIN_FRAC * size))
+    font = _font(max(6, int(round(fitting_font_size(word, size) * rng.uniform(0.8, 1.0)))))
+    text = rng.uniform(0.0, 1.0, 3)
+    text_luma, gap = float(text @ LUMA), MIN_LUMA_GAP + 1.0 / 255
+    sides = [s for s, ok in (("dark", text_luma - gap >= 0.0), ("light", text_luma + gap <= 1.0)) if ok]
+    side = sides[int(rng.integers(len(sides)))]
+    lo, hi = (0.0, text_luma - gap) if side == "dark" else (text_luma + gap, 1.0)
+    bg = background(rng, size, (float(rng.uniform(lo, hi)), float(rng.uniform(lo, hi))))
+    left, top, right, bottom = font.getbbox(word)
     x = int(rng.integers(margin - left, max(margin - left, size - margin - right) + 1))
     y = int(rng.integers(margin - top, max(margin - top, size - margin - bottom) + 1))
-    image = Image.new("RGB", (size, size), tuple(int(c) for c in bg))
-    ImageDraw.Draw(image).text((x, y), word, font=_font(font_size), fill=tuple(int(c) for c in fg))
-    return np.asarray(image, dtype=np.uint8)
+    mask = Image.new("L", (size, size), 0)
+    ImageDraw.Draw(mask).text((x, y), word, font=font, fill=255)
+    return bg, text, np.asarray(mask, dtype=np.float64) / 255.0
+
+
+def render_word(word: str, seed: int, size: int) -> np.ndarray:
+    """One (size, size, 3) uint8 render of `word`: `render_parts` blended, bg (1 - coverage) + text coverage,
+    so glyph edges lie between the two colours."""
+    bg, text, coverage = render_parts(word, seed, size)
+    image = bg * (1.0 - coverage[..., None]) + text * coverage[..., None]
+    return np.clip(np.rint(image * 255.0), 0, 255).astype(np.uint8)
 
 
 def render_batch(words: Sequence[str], seeds: Sequence[int], size: int) -> np.ndarray:
@@ -663,12 +729,53 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def frame_tap_keys(module: torch.nn.Module) -> set[str]:
+    """State-dict keys of the VAE's frame-conv weights (B, C, k_t > 1, kh, kw) whose taps before the last are
+    zero by construction (`build_vae`); empty for any other module."""
+    convs = {id(m) for m in causal_convs(module)}
+    return {f"{name}.weight" for name, m in module.named_modules()
+            if id(m) in convs and _is_frame_conv(m) and m.kernel_size[0] > 1}
+
+
+def compact_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The bf16 CPU state dict with each frame-conv weight cut to its last temporal tap (k_t -> 1): the only tap
+    a single frame sees. Refuses a weight whose other taps are not zero (it would not round-trip)."""
+    out, keys = {}, frame_tap_keys(module)
+    for key, value in module.state_dict().items():
+        value = value.detach().to("cpu", torch.bfloat16)
+        if key in keys:
+            if value[:, :, :-1].any():
+                raise ValueError(f"{key}: non-zero temporal taps before the last; cannot store it compactly")
+            value = value[:, :, -1:]
+        out[key] = value.contiguous()
+    return out
+
+
+def expand_state(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor], keys: set[str],
+                 source: Path) -> dict[str, torch.Tensor]:
+    """Inverse of `compact_state` against the module's own state dict `own`: a (O, I, 1, kh, kw) tensor under a
+    frame-conv key becomes (O, I, k_t, kh, kw) with zeros before the last tap; other shapes must match."""
+    out = {}
+    for key, value in tensors.items():
+        want = own[key].shape
+        if key in keys and value.shape != want and value.shape == (*want[:2], 1, *want[3:]):
+            full = torch.zeros(want, dtype=value.dtype)
+            full[:, :, -1:] = value
+            value = full
+        if value.shape != want:
+            raise ValueError(f"{source}: {key} has shape {tuple(value.shape)}, the model expects {tuple(want)}")
+        out[key] = value.to(own[key].dtype)
+    return out
+
+
 def save_weights(module: torch.nn.Module, path: Path) -> dict[str, Any]:
-    """bf16 safetensors of the state dict (atomic); returns {file, bytes, sha256}."""
+    """bf16 safetensors of the state dict (atomic; the VAE's frame convs compact, see `compact_state`: 3x
+    smaller, so a base_dim 32 VAE stays under the 16 MiB a device call returns per file); returns
+    {file, bytes, sha256}."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in module.state_dict().items()}, tmp)
+    save_file(compact_state(module), tmp)
     os.replace(tmp, path)
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
@@ -686,7 +793,7 @@ def load_weights(module: torch.nn.Module, path: Path, expected_sha256: str | Non
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
     if missing or unexpected:
         raise ValueError(f"{path}: keys do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    module.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
+    module.load_state_dict(expand_state(tensors, own, frame_tap_keys(module), path))
 
 
 def read_state(state_dir: Path) -> dict[str, Any]:
@@ -779,18 +886,23 @@ def tiny_qwen_image_dir(tiny_models_dir: str | None) -> Path:
 def run_config(args: argparse.Namespace, words: list[str], text_dim: int) -> dict[str, Any]:
     """What a resumed call must agree on (architecture, data, seeds)."""
     return {
-        "resolution": args.resolution, "words": words, "train_templates": list(TRAIN_TEMPLATES),
+        "resolution": args.resolution, "render": RENDER_VERSION, "words": words,
+        "train_templates": list(TRAIN_TEMPLATES),
         "heldout_templates": list(HELDOUT_TEMPLATES), "seed": args.seed,
         "vae": vae_config(args.vae_base_dim, args.vae_res_blocks),
         "transformer": transformer_config(args.layers, args.width, args.head_dim, text_dim),
     }
 
 
-def check_resume_config(saved: dict[str, Any], current: dict[str, Any], source: Path) -> None:
-    flags = {"resolution": "--resolution", "words": "--num_words", "seed": "--seed",
+def check_resume_config(saved: dict[str, Any], current: dict[str, Any], source: Path, *,
+                        trained_transformer: bool = True) -> None:
+    flags = {"resolution": "--resolution", "render": "RENDER_VERSION (script)", "words": "--num_words",
+             "seed": "--seed",
              "vae": "--vae_base_dim/--vae_res_blocks", "transformer": "--layers/--width/--head_dim",
              "train_templates": "TRAIN_TEMPLATES (script)", "heldout_templates": "HELDOUT_TEMPLATES (script)"}
     for key, flag in flags.items():
+        if key == "transformer" and not trained_transformer:
+            continue  # nothing trained yet (e.g. after a --sweep call): this call's architecture is used
         if saved.get(key) != current.get(key):
             raise ValueError(f"{source}/{STATE_FILE} was built with {key}={saved.get(key)!r} but this call has "
                              f"{current.get(key)!r}; pass the same {flag} as the first call (or a fresh --state_dir)")
@@ -845,6 +957,43 @@ def load_transformer(state: dict[str, Any], state_dir: Path, device: torch.devic
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """Linear warm-up multiplier of the lr at 0-based step `step`: min(1, (step + 1) / warmup_steps); 1 when
+    warmup_steps is 0 (no warm-up)."""
+    if warmup_steps < 0:
+        raise ValueError(f"warm-up steps must be >= 0, got {warmup_steps}")
+    return 1.0 if warmup_steps == 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+@torch.no_grad()
+def flat_colour_l1(images: torch.Tensor) -> float:
+    """The collapse level of the VAE: the L1 (in the [-1, 1] units of `vae_loss`) of the best predictor that
+    paints every image in one of two flat colours, a light one or a dark one.
+
+    images uint8 (N, 3, H, W). Each image goes to the light group if its mean luma is >= 0.5, else to the dark
+    group; a group's colour is the per-channel median of all its pixels (the L1-optimal constant); the level is
+    the mean over images of mean |x - colour of its group|. A VAE that has learned only the background's
+    brightness sits at this level (0.238 on the thin-font renders where two earlier runs stalled).
+    """
+    x = images.float() / 127.5 - 1.0
+    luma = torch.tensor(LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    light = (x * luma).sum(1).mean(dim=(1, 2)) >= 0.0
+    total = x.new_zeros(())
+    for group in (light, ~light):
+        if group.any():
+            g = x[group]
+            colour = g.transpose(0, 1).reshape(3, -1).median(dim=1).values.view(1, 3, 1, 1)
+            total += (g - colour).abs().mean(dim=(1, 2, 3)).sum()
+    return float(total / x.shape[0])
+
+
+def vae_collapsed(l1: float, level: float, step: int, *, check_step: int, ratio: float) -> bool:
+    """The early plateau check: True when, at `step` >= `check_step` (0 = never), the training L1 is still at
+    least `ratio` x the flat-colour level. A healthy run is ~40% below the level by step ~900 (0.6 x); the two
+    collapsed runs were at 0.95-1.0 x at step 1,000 and after."""
+    return check_step > 0 and step >= check_step and l1 >= ratio * level
+
+
 def render_training_images(run: Run) -> torch.Tensor:
     args, call = run.args, len(run.state["calls"]) - 1
     seeds = list(train_render_seeds(call, args.num_images))
@@ -881,6 +1030,7 @@ def train_vae(run: Run, vae: torch.nn.Module, images: torch.Tensor) -> bool:
     Returns True when the VAE is finished (target or max time), False when the call ran out of time."""
     args, st = run.args, run.state["vae"]
     eval_images, eval_words = vae_eval_set(run)
+    level = st.setdefault("flat_l1", flat_colour_l1(images[:2048]))
     vae.train().requires_grad_(True)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0,
                             **({"fused": True} if run.device.type == "cuda" else {}))
@@ -888,8 +1038,12 @@ def train_vae(run: Run, vae: torch.nn.Module, images: torch.Tensor) -> bool:
     n, step0, images0, seconds0, t_phase = images.shape[0], st["steps"], st["images"], st["seconds"], time.monotonic()
     pending, next_eval, next_log = None, 0.0, args.log_every_s
     loss_acc, l1_acc, acc_n, done, reason = 0.0, 0.0, 0, False, "the call's deadline"
+    clip = args.vae_grad_clip if args.vae_grad_clip > 0 else float("inf")
     run.log(f"[vae] training {sum(p.numel() for p in vae.parameters()) / 1e6:.2f}M params, batch {args.vae_batch}, "
-            f"lr {args.vae_lr}, from step {step0}, {seconds0:.0f} s so far")
+            f"lr {args.vae_lr}, warm-up {args.vae_warmup_steps} steps, grad clip "
+            f"{args.vae_grad_clip if args.vae_grad_clip > 0 else 'off'}, from step {step0}, {seconds0:.0f} s so far; "
+            f"flat-colour L1 level of the data {level:.4f} (collapse check at step {args.vae_plateau_step}: "
+            f"L1 >= {args.vae_plateau_ratio} x level)")
     while True:
         elapsed = time.monotonic() - t_phase
         st["seconds"] = seconds0 + elapsed
@@ -913,13 +1067,13 @@ def train_vae(run: Run, vae: torch.nn.Module, images: torch.Tensor) -> bool:
                                                          "step": st["steps"]})
             next_eval = elapsed + args.vae_eval_every_s
         idx = torch.randint(0, n, (args.vae_batch,), generator=gen, device=run.device)
-        lr = args.vae_lr * min(1.0, (st["steps"] - step0 + 1) / args.vae_warmup_steps)
+        lr = args.vae_lr * warmup_factor(st["steps"] - step0, args.vae_warmup_steps)
         for group in opt.param_groups:
             group["lr"] = lr
         with Fast2dConvs(vae), run.amp():
             loss, l1, _ = vae_loss(vae, images[idx], args.vae_kl_weight, gen)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(vae.parameters(), args.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(vae.parameters(), clip)
         norm_v, loss_v, l1_v = torch.stack([grad_norm, loss.detach(), l1]).tolist()  # one device sync per step
         if math.isfinite(norm_v):
             opt.step()
@@ -933,14 +1087,28 @@ def train_vae(run: Run, vae: torch.nn.Module, images: torch.Tensor) -> bool:
             run.state["curves"]["vae_loss"].append({"total_s": run.total_s(), "vae_s": st["seconds"],
                                                     "step": st["steps"], "loss": loss_acc / acc_n,
                                                     "l1": l1_acc / acc_n})
+            l1_mean = l1_acc / acc_n
             run.log(f"[vae] step {st['steps']} img {st['images']} ({(st['images'] - images0) / elapsed:.0f} img/s) "
-                    f"loss {loss_acc / acc_n:.4f} l1 {l1_acc / acc_n:.4f} lr {lr:.1e} left {run.time_left():.0f} s")
+                    f"loss {loss_acc / acc_n:.4f} l1 {l1_mean:.4f} = {l1_mean / level:.2f} x flat level "
+                    f"lr {lr:.1e} left {run.time_left():.0f} s")
             loss_acc, l1_acc, acc_n, next_log = 0.0, 0.0, 0, elapsed + args.log_every_s
+            if not st.get("plateau_checked") and vae_collapsed(
+                    l1_mean, level, st["steps"], check_step=args.vae_plateau_step, ratio=args.vae_plateau_ratio):
+                st["collapsed"] = {"step": st["steps"], "l1": l1_mean, "flat_l1": level}
+                reason = (f"COLLAPSED: L1 {l1_mean:.4f} at step {st['steps']} is still {l1_mean / level:.2f} x the "
+                          f"data's flat-colour level {level:.4f} (>= {args.vae_plateau_ratio}); a healthy run is "
+                          f"~0.6 x by step 900. Change the data or the VAE flags and start a fresh --state_dir")
+                break
+            if args.vae_plateau_step and st["steps"] >= args.vae_plateau_step:
+                st["plateau_checked"] = True
     if pending is not None:  # keep the last result for the curve
         record_vae_eval(run, pending)
     st["seconds"] = seconds0 + time.monotonic() - t_phase
     vae.eval().requires_grad_(False)
     run.log(f"[vae] stopped after {st['seconds']:.0f} s, step {st['steps']}, {st['images']} images: {reason}")
+    if "collapsed" in st:
+        save_state(run, vae, None)
+        raise SystemExit(f"[vae] {reason}")
     return done
 
 
@@ -1084,11 +1252,97 @@ class HeldoutEval:
         return True
 
 
+def flow_matching_backward(model, data: LatentData, idx: torch.Tensor, mu: float, gen: torch.Generator,
+                           amp: Callable) -> torch.Tensor:
+    """One batch's `flow_matching_loss` (latents `data.latents[idx]`, their prompts, fresh noise and sigmas from
+    `gen`) and its backward; returns the detached loss."""
+    from models.base import PromptEmbeds
+
+    x0 = data.latents[idx].float()
+    pid = data.prompt_ids[idx]
+    noise = torch.randn(x0.shape, generator=gen, device=x0.device)
+    sigmas = train_sigmas(idx.shape[0], mu, gen, x0.device)
+    with amp():
+        loss = flow_matching_loss(model, x0, PromptEmbeds(data.embeds[pid], data.mask[pid]), sigmas, noise)
+    loss.backward()
+    return loss.detach()
+
+
+def parse_sweep(items: Sequence[str], default_lr: float) -> list[dict[str, Any]]:
+    """'LAYERSxWIDTH' or 'LAYERSxWIDTH:LR' items -> [{layers, width, lr, name}]."""
+    out = []
+    for item in items:
+        shape, _, lr = item.partition(":")
+        layers, _, width = shape.partition("x")
+        try:
+            out.append({"layers": int(layers), "width": int(width), "lr": float(lr) if lr else default_lr,
+                        "name": item})
+        except ValueError:
+            raise SystemExit(f"--sweep {item!r}: expected LAYERSxWIDTH or LAYERSxWIDTH:LR, e.g. 4x160 or 4x160:1e-3")
+    return out
+
+
+def sweep_transformers(run: Run, vae: torch.nn.Module, data: LatentData) -> dict[str, Any]:
+    """Train each --sweep configuration from adaLN-zero init for --sweep_s seconds (eager, same data order,
+    noise and lr schedule; --batch_size, --warmup_steps, --grad_clip) and record its loss curve against
+    training seconds; the best is the lowest mean loss over the last third of its time. A loss curve at equal
+    GPU-seconds, not the OCR reward: at a minute of training nothing is legible yet. Stored in state['sweep']."""
+    from diffusers import QwenImageTransformer2DModel
+
+    args, device = run.args, run.device
+    text_dim = run.state["config"]["transformer"]["joint_attention_dim"]
+    mu = schedule_mu(run.base.scheduler_config, data.latents.shape[1])
+    results = []
+    for entry in parse_sweep(args.sweep, args.lr):
+        config = transformer_config(entry["layers"], entry["width"], args.head_dim, text_dim)
+        torch.manual_seed(args.seed)
+        transformer = QwenImageTransformer2DModel(**config)
+        adaln_zero_init(transformer)
+        transformer.to(device).train()
+        params = list(transformer.parameters())
+        model = run.wrapper(transformer, vae)
+        opt = torch.optim.AdamW(params, lr=entry["lr"], betas=(0.9, 0.99), weight_decay=args.weight_decay,
+                                **({"fused": True} if device.type == "cuda" else {}))
+        gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + 7)
+        curve, train_s, step, next_log, acc, acc_n = [], 0.0, 0, args.log_every_s / 2, 0.0, 0
+        while train_s < args.sweep_s and run.time_left() > run.reserve():
+            t0 = time.monotonic()
+            for group in opt.param_groups:
+                group["lr"] = entry["lr"] * warmup_factor(step, args.warmup_steps)
+            idx = torch.randint(0, data.latents.shape[0], (args.batch_size,), generator=gen, device=device)
+            loss = flow_matching_backward(model, data, idx, mu, gen, run.amp)
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            acc, acc_n = acc + float(loss), acc_n + 1  # syncs: the timing is of whole steps
+            step += 1
+            if step > 1:  # the first step (allocations, autotuning) is not timed
+                train_s += time.monotonic() - t0
+            if train_s >= next_log:
+                curve.append({"train_s": round(train_s, 2), "step": step, "loss": acc / acc_n})
+                acc, acc_n, next_log = 0.0, 0, train_s + args.log_every_s / 2
+        tail = [c["loss"] for c in curve if c["train_s"] >= 2 * train_s / 3] or [float("nan")]
+        result = {**entry, "params": sum(p.numel() for p in params), "steps": step, "train_s": train_s,
+                  "images_per_s": step * args.batch_size / max(train_s, 1e-9), "tail_loss": float(np.mean(tail)),
+                  "curve": curve}
+        results.append(result)
+        run.log(f"[sweep] {entry['name']}: {result['params'] / 1e6:.2f}M params, {step} steps in {train_s:.0f} s "
+                f"({result['images_per_s']:.0f} img/s), loss over the last third {result['tail_loss']:.4f}")
+        del transformer, model, opt, params
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    finished = [r for r in results if math.isfinite(r["tail_loss"])]
+    best = min(finished, key=lambda r: r["tail_loss"]) if finished else None
+    sweep = {"seconds_each": args.sweep_s, "batch_size": args.batch_size, "results": results,
+             "best": best["name"] if best else None}
+    run.state.setdefault("sweeps", []).append(sweep)
+    run.log(f"[sweep] best: {sweep['best']} (pass its --layers/--width/--lr to the next call)")
+    return sweep
+
+
 def train_transformer(run: Run, vae: torch.nn.Module, transformer: torch.nn.Module, data: LatentData) -> None:
     """Flow-matching training until the start point, --transformer_max_s (cumulative) or the call's deadline.
     The EMA copy (`run.ema`, uncompiled, what evals sample and what is saved) ends holding the chosen weights."""
-    from models.base import PromptEmbeds
-
     args, st = run.args, run.state["transformer"]
     device, n = run.device, data.latents.shape[0]
     ema = copy.deepcopy(transformer).requires_grad_(False).eval()
@@ -1134,19 +1388,12 @@ def train_transformer(run: Run, vae: torch.nn.Module, transformer: torch.nn.Modu
         ptr += args.batch_size
         k = st["steps"] - step0
         for group in opt.param_groups:
-            group["lr"] = args.lr * min(1.0, (k + 1) / args.warmup_steps)
+            group["lr"] = args.lr * warmup_factor(k, args.warmup_steps)
         if first:
             run.log("[transformer] first step" + (" (torch.compile of the repeated blocks)" if compiled else ""))
         t_step = time.monotonic()
-        x0 = data.latents[idx].float()
-        pid = data.prompt_ids[idx]
-        prompt = PromptEmbeds(data.embeds[pid], data.mask[pid])
-        noise = torch.randn(x0.shape, generator=gen, device=device)
-        sigmas = train_sigmas(args.batch_size, mu, gen, device)
         try:
-            with run.amp():
-                loss = flow_matching_loss(model, x0, prompt, sigmas, noise)
-            loss.backward()
+            loss = flow_matching_backward(model, data, idx, mu, gen, run.amp)
         except Exception as e:  # compile problems surface in the first step; the math is the same without it
             if not (first and compiled):
                 raise
@@ -1365,6 +1612,8 @@ def export_ship(state_dir: Path, ship_dir: Path) -> dict[str, Any]:
     try:
         transformer.to(torch.bfloat16).save_pretrained(tmp / "transformer", safe_serialization=True)
         vae.to(torch.bfloat16).save_pretrained(tmp / "vae", safe_serialization=True)
+        (tmp / "vae" / "diffusion_pytorch_model.safetensors").unlink()  # shipped compact; --assemble expands it
+        save_weights(vae, tmp / "vae" / SHIP_VAE_FILE)
     finally:
         diffusers_logging.set_verbosity(verbosity)
     build_tiny_models.write_json(str(tmp / "scheduler" / "scheduler_config.json"),
@@ -1406,7 +1655,7 @@ def export_ship(state_dir: Path, ship_dir: Path) -> dict[str, Any]:
 
 def ship_readme(info: dict[str, Any], ship_dir: Path) -> str:
     lines = [f"# {ship_dir.name}: a small pretrained text-to-image model (Qwen-Image layout)", "",
-             "Built by `scripts/pretrain_ocr_mini.py` (issue 11). Random frozen text encoder and the real Qwen "
+             "Built by `scripts/pretrain_ocr_mini.py` (docs/LEARNING.md). Random frozen text encoder and the real Qwen "
              "tokenizer as `scripts/build_tiny_models.py` builds them for `qwen_image` (not shipped; "
              "`--assemble` rebuilds them).", "",
              f"- resolution {info['resolution']}x{info['resolution']}, {len(info['words'])} words, true CFG off "
@@ -1418,11 +1667,22 @@ def ship_readme(info: dict[str, Any], ship_dir: Path) -> str:
     for steps, m in info["start_point"].items():
         lines.append(f"- {steps} steps: mean {m['mean']:.3f}, exact {m['exact']:.3f}, within-prompt std "
                      f"{m['within_std']:.3f} ({m['n_prompts']} prompts x {m['n_seeds']} seeds)")
-    lines += ["", "Build commands (one per device call):", ""]
-    lines += [f"    {' '.join(c['argv'] or [])}" for c in info["calls"]]
+    lines += ["", "Build commands (one per call; each call's state folder resumed by the next):", ""]
+    lines += [f"    {' '.join(c['argv'] or [])}  # {c.get('device')}, {c.get('wall_s') or 0:.0f} s"
+              for c in info["calls"]]
     lines += ["", f"Assemble a loadable pipeline folder: `{info['assemble']}`", "",
               "RL datasets: `data/train.parquet` (training templates), `data/test.parquet` (held-out templates).", ""]
     return "\n".join(lines)
+
+
+def expand_shipped_vae(ship_vae: Path, out_vae: Path) -> None:
+    """The diffusers `vae/` folder (bf16 save_pretrained) from the shipped config.json + compact weights."""
+    from diffusers import AutoencoderKLQwenImage
+
+    with open(ship_vae / "config.json", encoding="utf-8") as f:
+        vae = AutoencoderKLQwenImage.from_config(json.load(f))
+    load_weights(vae, ship_vae / SHIP_VAE_FILE)
+    vae.to(torch.bfloat16).save_pretrained(out_vae, safe_serialization=True)
 
 
 def assemble_pipeline(ship_dir: str | Path, out_dir: str | Path, tiny_models_dir: str | None = None) -> Path:
@@ -1460,8 +1720,9 @@ def assemble_pipeline(ship_dir: str | Path, out_dir: str | Path, tiny_models_dir
     tmp.mkdir(parents=True)
     for sub in ("text_encoder", "tokenizer"):
         shutil.copytree(tiny / sub, tmp / sub)
-    for sub in ("transformer", "vae", "scheduler"):
+    for sub in ("transformer", "scheduler"):
         shutil.copytree(ship_dir / sub, tmp / sub)
+    expand_shipped_vae(ship_dir / "vae", tmp / "vae")
     shutil.copyfile(ship_dir / "model_index.json", tmp / "model_index.json")
     (tmp / ".assembled").write_text(marker_value + "\n", encoding="utf-8")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -1541,7 +1802,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--reserve_s", type=float, default=45.0,
                    help="seconds kept for the last eval, the final eval and saving (at least; raised when the "
                         "measured OCR rate needs more)")
-    g.add_argument("--vae_max_s", type=float, default=150.0, help="cumulative VAE training seconds at most")
+    g.add_argument("--vae_max_s", type=float, default=300.0, help="cumulative VAE training seconds at most")
     g.add_argument("--transformer_max_s", type=float, default=float("inf"),
                    help="cumulative transformer training seconds at most")
     g.add_argument("--min_transformer_s", type=float, default=60.0,
@@ -1554,13 +1815,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--num_images", type=int, default=200_000, help="renders per call (cached as latents)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("VAE")
-    g.add_argument("--vae_base_dim", type=int, default=16)
+    g.add_argument("--vae_base_dim", type=int, default=32)
     g.add_argument("--vae_res_blocks", type=int, default=1)
-    g.add_argument("--vae_batch", type=int, default=256)
+    g.add_argument("--vae_batch", type=int, default=64)
     g.add_argument("--vae_lr", type=float, default=1e-3)
-    g.add_argument("--vae_warmup_steps", type=int, default=100)
+    g.add_argument("--vae_warmup_steps", type=int, default=0, help="linear lr warm-up of the VAE (0 = none)")
+    g.add_argument("--vae_grad_clip", type=float, default=0.0,
+                   help="the VAE's gradient-norm clip (0 = off; the transformer has its own --grad_clip)")
     g.add_argument("--vae_kl_weight", type=float, default=1e-4)
-    g.add_argument("--vae_target_reward", type=float, default=0.92,
+    g.add_argument("--vae_plateau_step", type=int, default=1000,
+                   help="at this VAE step, stop the call as collapsed if the training L1 is still >= "
+                        "--vae_plateau_ratio x the data's flat-colour level (0 = no check)")
+    g.add_argument("--vae_plateau_ratio", type=float, default=0.9)
+    g.add_argument("--vae_target_reward", type=float, default=0.8,
                    help="stop the VAE once its held-out reconstructions reach this rapidocr reward")
     g.add_argument("--vae_eval_every_s", type=float, default=20.0)
     g.add_argument("--vae_eval_images", type=int, default=128)
@@ -1572,10 +1839,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--head_dim", type=int, default=64)
     g.add_argument("--batch_size", type=int, default=1024)
     g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--warmup_steps", type=int, default=300, help="linear warm-up at the start of every call")
+    g.add_argument("--warmup_steps", type=int, default=300,
+                   help="linear warm-up at the start of every call (0 = none)")
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--ema_decay", type=float, default=0.999)
     g.add_argument("--grad_clip", type=float, default=1.0)
+    g.add_argument("--sweep", nargs="+", default=None, metavar="LxW[:LR]",
+                   help="before the transformer phase: train each of these configurations for --sweep_s seconds "
+                        "and record the loss curves in state.json (e.g. 4x160 6x128 4x160:1e-3); the call then ends")
+    g.add_argument("--sweep_s", type=float, default=45.0, help="training seconds of each --sweep configuration")
     g = p.add_argument_group("evaluation and the start point")
     g.add_argument("--eval_every_s", type=float, default=45.0, help="held-out eval interval (training seconds)")
     g.add_argument("--eval_seeds", type=int, default=4, help="seeds per prompt in the periodic eval")
@@ -1664,7 +1936,11 @@ def open_state(args: argparse.Namespace, config: dict[str, Any]) -> tuple[dict[s
     if source is None:
         return new_state(config), state_dir
     state = read_state(source)
-    check_resume_config(state["config"], config, source)
+    trained = "transformer" in state["files"]
+    check_resume_config(state["config"], config, source, trained_transformer=trained)
+    if not trained:  # the architecture of this call (state.json's config follows it)
+        state["config"]["transformer"] = config["transformer"]
+        state["transformer"]["config"] = dict(config["transformer"])
     if source.resolve() != state_dir.resolve():
         for name in (STATE_FILE, VAE_FILE, TRANSFORMER_FILE, LOG_FILE):
             if (source / name).is_file():
@@ -1738,13 +2014,18 @@ def run_phases(run: Run) -> None:
         save_curve_png(state, run.state_dir / "curve.png")
         save_state(run, None, None)
         return
-    transformer = load_transformer(state, run.state_dir, run.device)
     if images is None:
         images = render_training_images(run)
     data = build_latent_data(run, vae, images)
     del images
     if run.device.type == "cuda":
         torch.cuda.empty_cache()
+    if args.sweep:
+        sweep_transformers(run, vae, data)
+        print_curve(run)
+        save_state(run, None, None)
+        return
+    transformer = load_transformer(state, run.state_dir, run.device)
     try:
         train_transformer(run, vae, transformer, data)
     except BaseException:
