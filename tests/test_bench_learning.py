@@ -277,6 +277,10 @@ def test_main_reports_a_failed_run_and_keeps_the_others(tiny_models, tmp_path, m
 
     def fake_run_trainer(script, argv, *, nproc, timeout_s, log_path):
         launched.append((script, list(argv)))
+        if len(launched) == 2:  # the control ran first, and its report is on disk before the next run starts
+            partial = json.loads((tmp_path / "out" / B.FILES["json"]).read_text())
+            assert partial["complete"] is False and list(partial["runs"]) == ["control"]
+            assert partial["pending"] == ["nft", "dppo", "grpo"]
         if "flow_grpo" in argv:
             raise AssertionError("boom: the trainer failed")
         out = argv[argv.index("--output_dir") + 1]
@@ -288,11 +292,12 @@ def test_main_reports_a_failed_run_and_keeps_the_others(tiny_models, tmp_path, m
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="runs grpo failed"):
         B.main(["--smoke", "--out_dir", str(out), "--set", "nft.mix_beta=0.3"])
-    assert [s for s, _ in launched] == ["train_nft.py", "train_dppo.py", "train_dppo.py", "train_dppo.py"]
-    nft_argv = launched[0][1]
+    assert [s for s, _ in launched] == ["train_dppo.py", "train_nft.py", "train_dppo.py", "train_dppo.py"]
+    nft_argv = launched[1][1]
     assert nft_argv[nft_argv.index("--mix_beta") + 1] == "0.3" and "--max_wall_time_s" not in nft_argv
     assert nft_argv[nft_argv.index("--total_training_steps") + 1] == "2"
     doc = json.loads((out / B.FILES["json"]).read_text())
+    assert doc["complete"] is True
     assert "boom" in doc["runs"]["grpo"]["error"] and "curve" not in doc["runs"]["grpo"]
     assert doc["runs"]["nft"]["gain_vs_control"]["reward"] == pytest.approx(0.2)
     assert doc["runs"]["nft"]["reward_gain_vs_control_per_gpu_second"] == pytest.approx(0.2 / 3.0)

@@ -590,3 +590,47 @@ def test_transformer_loop_reverts_an_overshoot_and_survives_a_compile_failure(tm
     assert any(not torch.equal(pool.seen[1][k], pool.seen[2][k]) for k in pool.seen[1])
     saved = json.loads((tmp_path / pom.STATE_FILE).read_text())  # saved after each recorded eval
     assert len(saved["curves"]["eval"]) >= 2 and saved["files"]["transformer"]["sha256"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The shipped checkpoint (assets/ocr_mini)
+# ---------------------------------------------------------------------------------------------------------------
+
+SHIP = Path(pom.REPO) / "assets" / "ocr_mini"
+
+
+def test_the_shipped_checkpoint_is_small_bf16_and_verified():
+    info = json.loads((SHIP / "build_info.json").read_text())
+    total = sum(p.stat().st_size for p in SHIP.rglob("*") if p.is_file())
+    assert total <= 16 * 2**20, total
+    for rel, meta in info["files"].items():
+        assert pom.sha256_file(SHIP / rel) == meta["sha256"], rel
+    from safetensors import safe_open
+
+    for rel in ("transformer/diffusion_pytorch_model.safetensors", f"vae/{pom.SHIP_VAE_FILE}"):
+        with safe_open(str(SHIP / rel), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, rel
+    lo, hi = 0.2, 0.6
+    assert all(lo <= m["mean"] <= hi and 0.05 <= m["exact"] <= 0.4 and m["within_std"] > 0
+               for m in info["start_point"].values()), info["start_point"]
+
+
+@pytest.mark.slow
+def test_the_shipped_checkpoint_loads_unchanged_and_reproduces_its_start_point(tmp_path):
+    """Assemble, load through models.load_model and sample with the native engine on CPU (fp32) the first seed of
+    32 held-out prompts at 10 steps, as the H200's final eval did (bf16 autocast): the rapidocr rewards match the
+    recorded ones sample by sample on most images and in the mean."""
+    import rewards
+
+    pipeline = pom.assemble_pipeline(SHIP, tmp_path / "ocr_mini")
+    state = json.loads((Path(pom.REPO) / "assets" / "ocr_mini_state" / "state.json").read_text())
+    final = state["final_eval"]
+    recorded = np.array(final["by_steps"]["10"]["rewards"])[:32, 0]
+    items = pom.heldout_prompts(state["config"]["words"])[:32]
+    assert [p for p, _ in items] == final["prompts"][:32]
+    seeds = [pom.eval_seeds(i, final["seeds_per_prompt"])[0] for i in range(32)]
+    images = pom.native_engine_images(pipeline, [p for p, _ in items], seeds, 10, state["config"]["resolution"])
+    scorer = rewards.RewardScorer(rewards.RewardConfig(ocr_backend="rapidocr", rapidocr_det_limit_side_len=256))
+    got = scorer.score_batch(images, [w for _, w in items], ["ocr"] * 32).rewards.numpy()
+    assert np.mean(np.abs(got - recorded) < 1e-6) >= 0.6, (got.round(3), recorded.round(3))
+    assert abs(got.mean() - recorded.mean()) <= 0.1 and got.mean() >= 0.2, (got.mean(), recorded.mean())
