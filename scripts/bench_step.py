@@ -6,7 +6,9 @@ present, the baseline configuration (today's path) and the optimised one measure
     python scripts/bench_step.py --recipe qwen_dppo                    # one H200: one recipe per 10-minute call
     python scripts/bench_step.py --recipe boogu_nft --configs baseline,optimized,optimized_train_cfg
     python scripts/bench_step.py --smoke --out /tmp/bench_step.json    # CPU smoke run on the tiny Qwen-Image
-    python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json qwen_nft_base.json --profile
+    python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json none --profile --out a.json
+    python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json a.json \
+        --baseline_config optimized --optimized_flags="--attention_backend cudnn"     # a change against today's path
 
 Recipes (the shipped scripts' settings; per GPU as the recipes have them per GPU, the prompt count scaled so that
 every trainer rank gets its recipe micro-batch; JSON-only JPEG compressibility reward as the cost-free stand-in for
@@ -31,9 +33,11 @@ Configurations (the flags that differ; everything else is the recipe's):
   optimized_ckpt_half  optimized with selective checkpointing of half the blocks.
 The ratio of every configuration is taken against `baseline` of the same recipe: measured in the same invocation,
 or, with --baseline_json PATH, the `baseline` runs of an earlier invocation's JSON (any bench_step JSON holding
-them, e.g. `--configs baseline --out base.json`), refused when its machine (GPU names and count, torch, CUDA,
-Python) or its measurement flags (sizes, batch, warm-up, baseline flags) differ from this invocation's; with
---baseline_mismatch_ok it is used anyway and the output says loudly what differs. The output says where the
+them, e.g. `--configs baseline --out base.json`; --baseline_config optimized takes that JSON's `optimized` runs
+instead, to measure a change against today's optimized path), refused when its machine (GPU names and count, torch,
+CUDA, Python) or its measurement flags (sizes, batch, warm-up, and --baseline_flags when the baseline is `baseline`)
+differ from this invocation's; with --baseline_mismatch_ok it is used anyway and the output says loudly what
+differs. --baseline_json none measures no baseline (no ratios; e.g. a first profile). The output says where the
 baseline came from.
 
 --profile: each run records a torch.profiler trace (CPU + CUDA activities, no shapes / stacks / memory) of its last
@@ -67,6 +71,7 @@ import argparse
 import dataclasses
 import datetime
 import glob
+import gzip
 import json
 import os
 import shlex
@@ -395,10 +400,13 @@ def run_config(recipe: str, config: str, model_path: str, train_files: str, out_
     return run
 
 
-def collect_profiles(run_dir: str, label: str, profile_dir: str, smoke: bool) -> dict[str, Any]:
+def collect_profiles(run_dir: str, label: str, profile_dir: str, smoke: bool,
+                     max_bytes: int = 15 * 2**20) -> dict[str, Any]:
     """The traces a --profile_step run wrote (trainer ranks under profile/, rollout workers under rollout_logs/):
     each one's table (`training.profile_table`, CPU ops as the "device" in --smoke), printed and returned, and the
-    gzipped trace copied to `profile_dir` as <label>-<name>.json.gz (the run folder is deleted afterwards)."""
+    gzipped trace kept in `profile_dir` as <label>-<name>.json.gz (the run folder is deleted afterwards); a trace
+    larger than `max_bytes` is kept without its CPU ops (kernels, CUDA runtime calls and annotations remain), so
+    that it fits what a device call returns."""
     from training.profiling import format_profile_table, load_trace, profile_table
 
     found = sorted(glob.glob(os.path.join(run_dir, "profile", "*.json.gz"))
@@ -411,16 +419,23 @@ def collect_profiles(run_dir: str, label: str, profile_dir: str, smoke: bool) ->
     for path in found:
         name = os.path.basename(path)[:-len(".json.gz")]
         kept = os.path.join(profile_dir, f"{label}-{name}.json.gz")
-        shutil.copyfile(path, kept)
-        out["traces"][name] = {"path": kept, "bytes": os.path.getsize(kept)}
+        events = load_trace(path)
+        slim = os.path.getsize(path) > max_bytes
+        if slim:
+            with gzip.open(kept, "wt", encoding="utf-8") as f:
+                json.dump({"traceEvents": [e for e in events if e.get("cat") != "cpu_op"]}, f)
+        else:
+            shutil.copyfile(path, kept)
+        out["traces"][name] = {"path": kept, "bytes": os.path.getsize(kept), "original_bytes": os.path.getsize(path),
+                               "cpu_ops_dropped": slim}
         try:
-            table = profile_table(load_trace(path), device="cpu" if smoke else "cuda")
+            table = profile_table(events, device="cpu" if smoke else "cuda")
         except ValueError as e:  # e.g. a trace without device events: say so, keep the others
             out["tables"][name] = {"error": str(e)}
             continue
         out["tables"][name] = dataclasses.asdict(table)
-        print(f"\nprofile {label} / {name} ({kept}, {os.path.getsize(kept) / 2**20:.1f} MiB):\n"
-              f"{format_profile_table(table)}", flush=True)
+        print(f"\nprofile {label} / {name} ({kept}, {os.path.getsize(kept) / 2**20:.1f} MiB"
+              f"{', CPU ops dropped' if slim else ''}):\n{format_profile_table(table)}", flush=True)
     return out
 
 
@@ -451,9 +466,10 @@ class BaselineError(ValueError):
     """A --baseline_json that cannot serve: unreadable, not a bench_step JSON, or without an ok baseline run."""
 
 
-def load_baseline(path: str, recipes: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """(the earlier invocation's JSON, recipe -> its `baseline` run) from `path`; BaselineError when it is
-    unreadable, not a bench_step JSON of this schema, or lacks an ok, measured baseline run of a recipe."""
+def load_baseline(path: str, recipes: list[str], config: str = "baseline") -> tuple[dict[str, Any],
+                                                                                  dict[str, dict[str, Any]]]:
+    """(the earlier invocation's JSON, recipe -> its `config` run) from `path`; BaselineError when it is
+    unreadable, not a bench_step JSON of this schema, or lacks an ok, measured `config` run of a recipe."""
     try:
         with open(path, encoding="utf-8") as f:
             earlier = json.load(f)
@@ -466,24 +482,27 @@ def load_baseline(path: str, recipes: list[str]) -> tuple[dict[str, Any], dict[s
         raise BaselineError(f"--baseline_json {path}: no machine / args record")
     runs = {}
     for recipe in recipes:
-        run = earlier.get("recipes", {}).get(recipe, {}).get("runs", {}).get("baseline")
+        run = earlier.get("recipes", {}).get(recipe, {}).get("runs", {}).get(config)
         if not isinstance(run, dict) or run.get("status") != "ok" \
                 or not isinstance(run.get("images_per_gpu_s"), (int, float)) \
                 or not isinstance(run.get("step_time_s"), (int, float)):
             status = run.get("status") if isinstance(run, dict) else "absent"
-            raise BaselineError(f"--baseline_json {path}: recipe {recipe} has no measured baseline run ({status}); "
-                                f"measure one with --recipe {recipe} --configs baseline")
+            raise BaselineError(f"--baseline_json {path}: recipe {recipe} has no measured {config} run ({status}); "
+                                f"measure one with --recipe {recipe} --configs {config}")
         runs[recipe] = run
     return earlier, runs
 
 
-def baseline_problems(earlier: dict[str, Any], machine: dict[str, Any], args: dict[str, Any]) -> list[str]:
-    """What differs between the invocation that measured a baseline (`earlier`, its JSON) and this one: the
-    machine (`MACHINE_KEYS`) and the flags that change what a run measures (`MEASUREMENT_ARGS`); [] = comparable."""
+def baseline_problems(earlier: dict[str, Any], machine: dict[str, Any], args: dict[str, Any],
+                      config: str = "baseline") -> list[str]:
+    """What differs between the invocation that measured a baseline (`earlier`, its JSON; its `config` runs serve)
+    and this one: the machine (`MACHINE_KEYS`) and the flags that change what a run measures (`MEASUREMENT_ARGS`;
+    --baseline_flags only when the `baseline` runs serve); [] = comparable."""
     out = [f"machine {key}: baseline {earlier['machine'].get(key)!r}, now {machine.get(key)!r}"
            for key in MACHINE_KEYS if earlier["machine"].get(key) != machine.get(key)]
+    keys = [k for k in MEASUREMENT_ARGS if k != "baseline_flags" or config == "baseline"]
     out += [f"--{key}: baseline {earlier['args'].get(key)!r}, now {args.get(key)!r}"
-            for key in MEASUREMENT_ARGS if earlier["args"].get(key) != args.get(key)]
+            for key in keys if earlier["args"].get(key) != args.get(key)]
     return out
 
 
@@ -517,8 +536,10 @@ def baseline_line(result: dict[str, Any]) -> str:
     source = result.get("baseline_source")
     if not source:
         return "baseline: measured in this invocation"
-    line = (f"baseline: from {source['path']} (measured {source['started_at']}, commit {source['git_commit']}, "
-            f"host {source['host']}), not re-measured")
+    if source.get("path") is None:
+        return "baseline: none (--baseline_json none): no ratios"
+    line = (f"baseline: the {source['config']} runs of {source['path']} (measured {source['started_at']}, commit "
+            f"{source['git_commit']}, host {source['host']}, flags {source['flags']!r}), not re-measured")
     if source["mismatches"]:
         line += ("\n!!! WARNING: THE BASELINE WAS MEASURED UNDER DIFFERENT CONDITIONS; ITS RATIOS ARE NOT A "
                  "COMPARISON:\n!!!   " + "\n!!!   ".join(source["mismatches"]))
@@ -568,7 +589,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run: tiny Qwen-Image (or Boogu) checkpoint, 64x64, 4 steps, 1 rank, 2 steps")
     p.add_argument("--baseline_json", default=None,
-                   help="take the baseline runs from this earlier bench_step JSON instead of measuring them")
+                   help="take the baseline runs from this earlier bench_step JSON instead of measuring them "
+                        "('none': no baseline, no ratios)")
+    p.add_argument("--baseline_config", default="baseline", choices=CONFIGS,
+                   help="which configuration of --baseline_json serves as the baseline")
     p.add_argument("--baseline_mismatch_ok", action="store_true",
                    help="use --baseline_json even if its machine or measurement flags differ (printed loudly)")
     p.add_argument("--profile", action="store_true",
@@ -583,8 +607,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.baseline_json and "baseline" in args.configs:
         p.error("--baseline_json replaces the baseline run: drop baseline from --configs")
     if "baseline" not in args.configs and not args.baseline_json:
-        p.error("--configs must include baseline (or take it from an earlier run with --baseline_json): every "
-                "ratio is against a baseline of the same machine")
+        p.error("--configs must include baseline (or take it from an earlier run with --baseline_json, or pass "
+                "--baseline_json none): every ratio is against a baseline of the same machine")
     args.steps = args.steps or (2 if args.smoke else 4 if args.profile else 3)
     args.profile_dir = args.profile_dir or f"{os.path.splitext(args.out)[0]}.profiles"
     if args.steps <= args.warmup_steps:
@@ -620,16 +644,20 @@ def main(argv=None) -> int:
         "machine": machine_info(args.gpus),
         "peak_tflops_env": os.environ.get("FLOWRL_PEAK_TFLOPS"), "recipes": {}}
     baselines: dict[str, dict[str, Any]] = {}
-    if args.baseline_json:
+    if args.baseline_json == "none":
+        result["baseline_source"] = {"path": None}
+    elif args.baseline_json:
         try:
-            earlier, baselines = load_baseline(args.baseline_json, args.recipe)
+            earlier, baselines = load_baseline(args.baseline_json, args.recipe, args.baseline_config)
         except BaselineError as e:
             print(f"bench_step: {e}", file=sys.stderr)
             return 2
-        mismatches = baseline_problems(earlier, result["machine"], vars(args))
-        result["baseline_source"] = {"path": os.path.abspath(args.baseline_json),
-                                     "started_at": earlier.get("started_at"), "git_commit": earlier.get("git_commit"),
-                                     "host": earlier["machine"].get("host"), "mismatches": mismatches}
+        mismatches = baseline_problems(earlier, result["machine"], vars(args), args.baseline_config)
+        flags = earlier["args"].get("baseline_flags" if args.baseline_config == "baseline" else "optimized_flags")
+        result["baseline_source"] = {"path": os.path.abspath(args.baseline_json), "config": args.baseline_config,
+                                     "flags": flags, "started_at": earlier.get("started_at"),
+                                     "git_commit": earlier.get("git_commit"), "host": earlier["machine"].get("host"),
+                                     "mismatches": mismatches}
         if mismatches and not args.baseline_mismatch_ok:
             print(f"bench_step: --baseline_json {args.baseline_json} was measured under different conditions "
                   f"(pass --baseline_mismatch_ok to compare anyway):\n  " + "\n  ".join(mismatches),
@@ -653,7 +681,8 @@ def main(argv=None) -> int:
             for recipe in [r for r in args.recipe if FAMILY_OF[r] == family]:
                 entry = result["recipes"].setdefault(recipe, {"family": family, "build_s": build_s, "runs": {}})
                 if recipe in baselines:
-                    entry["runs"]["baseline"] = dict(baselines[recipe], source=result["baseline_source"]["path"])
+                    entry["runs"]["baseline"] = dict(baselines[recipe], source=result["baseline_source"]["path"],
+                                                     source_config=args.baseline_config)
                 configs = [c for c in args.configs if ONLY_FOR.get(c, TRAINER_OF[recipe]) == TRAINER_OF[recipe]]
                 if args.smoke:  # CPU smoke: the runs at once (their times mean nothing here; halves the wall time)
                     from concurrent.futures import ThreadPoolExecutor

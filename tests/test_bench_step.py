@@ -104,6 +104,25 @@ def test_profile_traces_and_tables(smoke):
     assert "top CPU op (self time)s in update_actor" in stdout
 
 
+def test_a_large_trace_is_kept_without_its_cpu_ops(smoke, tmp_path):
+    """Over the size limit, the kept copy drops the CPU ops (what a device call returns is limited); the table is
+    still read from the whole trace."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import bench_step
+    from training.profiling import load_trace
+
+    result, _, path = smoke
+    kept = bench_step.collect_profiles(str(path.parent / "work" / "qwen_dppo-optimized"), "x", str(tmp_path),
+                                       smoke=True, max_bytes=0)
+    trace = kept["traces"]["trainer-rank0"]
+    assert trace["cpu_ops_dropped"] and trace["bytes"] < trace["original_bytes"]
+    events = load_trace(trace["path"])
+    assert not any(e.get("cat") == "cpu_op" for e in events)
+    assert any(str(e.get("name")).startswith("timing_s/update_actor") for e in events)
+    assert kept["tables"]["trainer-rank0"] == result["recipes"]["qwen_dppo"]["runs"]["optimized"]["profile"][
+        "tables"]["trainer-rank0"]
+
+
 def test_baseline_json_is_taken_from_an_earlier_run(smoke, tiny_models, tmp_path):
     """--baseline_json: the earlier smoke run's baseline is used as is (no baseline run), the output and the JSON
     say where it came from; a malformed file or one from another machine is refused before anything runs."""
@@ -121,7 +140,14 @@ def test_baseline_json_is_taken_from_an_earlier_run(smoke, tiny_models, tmp_path
         "started_at"]
     assert again["baseline_source"]["mismatches"] == [] and again["baseline_source"]["git_commit"] == \
         result["git_commit"]
-    assert f"baseline: from {path}" in proc.stdout and "baseline (file)" in proc.stdout
+    assert f"baseline: the baseline runs of {path}" in proc.stdout and "baseline (file)" in proc.stdout
+    # --baseline_config: another configuration of the file serves (a change measured against today's path)
+    proc = subprocess.run(bench + ["--configs", "optimized_train_cfg", "--baseline_json", str(path),
+                                   "--baseline_config", "optimized_bypass"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and f"baseline: the optimized_bypass runs of {path}" in proc.stdout, proc.stderr
+    assert json.loads((tmp_path / "again.json").read_text())["recipes"]["qwen_dppo"]["runs"]["baseline"][
+        "command"] == result["recipes"]["qwen_dppo"]["runs"]["optimized_bypass"]["command"]
     # refusals, each before any run
     broken = tmp_path / "broken.json"
     broken.write_text('{"bench": "bench_step"')
@@ -140,7 +166,7 @@ def test_baseline_json_is_taken_from_an_earlier_run(smoke, tiny_models, tmp_path
 def test_configs_must_include_the_baseline():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), "--smoke", "--configs",
                            "optimized"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "must include baseline" in proc.stderr
+    assert proc.returncode == 2 and "must include baseline" in proc.stderr and "--baseline_json none" in proc.stderr
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), "--smoke", "--configs",
                            "baseline,optimized", "--baseline_json", "x.json"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -177,6 +203,11 @@ def test_baseline_round_trip_and_refusals(tmp_path):
                                             dict(now, qwen_layers=40))
     assert problems == ["machine gpu_names: baseline ['NVIDIA H200'], now ['NVIDIA H100']",
                         "--qwen_layers: baseline 60, now 40"]
+    assert bench_step.baseline_problems(loaded, earlier["machine"], dict(now, baseline_flags="--x"),
+                                        "optimized") == []  # the baseline flags matter only for `baseline` runs
+    with pytest.raises(bench_step.BaselineError, match="has no measured optimized run"):
+        bench_step.load_baseline(path, ["qwen_dppo"], "optimized")
+    assert bench_step.baseline_line({"baseline_source": {"path": None}}).startswith("baseline: none")
     ratio = bench_step.ratios({"baseline": runs["qwen_dppo"], "optimized": {"images_per_gpu_s": 0.6,
                                                                             "step_time_s": 16 / 0.6}})
     assert ratio["optimized"]["images_per_gpu_s_ratio"] == pytest.approx(1.2)
