@@ -168,7 +168,9 @@ def add_common_args(parser) -> None:
     g.add_argument("--profile_step", type=int, default=0,
                    help="record a torch.profiler trace of this training step (CPU + CUDA) into "
                         "<output_dir>/profile/ (each trainer rank) and <output_dir>/rollout_logs/ (each rollout "
-                        "worker's generate call of that step); 0 = off. scripts/bench_step.py --profile reads them")
+                        "worker's N-th generate request, N = this step - the start step: the step's rollout unless "
+                        "a validation or --rollout_policy_lag 1 sent requests in between); 0 = off. "
+                        "scripts/bench_step.py --profile reads them")
     g.add_argument("--collective_timeout_s", type=float, default=0.0,
                    help="timeout of the process groups (main and per node); 0 = the longest per-phase timeout "
                         "(--rollout_timeout_s, --rollout_startup_timeout_s, a judge request with its retries) + "
