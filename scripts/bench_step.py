@@ -46,7 +46,7 @@ bench prints a table per trace: per phase (the trainers' timing_s/* phases, the 
 whole step) wall / device-busy / device-idle ms, the longest idle gap, the host reads (`.item()`) and syncs, and the
 top kernels by device time (`training.profile_table`); the tables go into the JSON (run["profile"]) and the gzipped
 traces to --profile_dir. The two profiled steps are left out of the timing means when another measured step
-remains (so use --steps 4 with one warm-up step: steps 2 is timed, 3-4 profiled).
+remains (--profile's default --steps 4 with one warm-up step: step 2 is timed, 3-4 profiled).
 
 What is reported per run (JSON at --out, rewritten after every run, so a killed call still returns the finished
 runs; also printed): images / GPU / s = images per step / (mean step time x every GPU the layout uses: trainer
@@ -60,6 +60,8 @@ Time plan for one H200 and one 10-minute call (issue 10's measurements): checkpo
 trainer rank; one Boogu NFT step of 12 images ~80 s today, so `boogu_nft` with 2 steps per run (1 measured) is
 ~50 + 220 (baseline) + ~130 (optimized) s; `qwen_dppo` at 60 blocks: the baseline does not fit on one H200 (fp32
 base, issue 10), so it is recorded as failed and the ratio is n/a; use --qwen_layers 40 for a ratio that fits.
+A baseline measured once (`--configs baseline` or any earlier JSON) and passed as --baseline_json saves its runs in
+every later call; docs/PERFORMANCE.md ("Profiling") has issue 18's per-recipe commands and runtimes.
 --deadline_s stops starting runs that cannot finish in time (estimated from the runs before) and kills a run that
 overruns it (recorded as timeout, with the step times its progress lines printed). --smoke starts its runs at once
 (on CPU their times mean nothing; it checks the plumbing, the JSON and the numerics of the configurations).
