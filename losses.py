@@ -22,9 +22,11 @@ import numpy as np
 import torch
 
 __all__ = [
+    "LossMetrics",
     "NonFiniteLossError",
     "SDEStep",
     "apply_cfg",
+    "check_sde_sigmas",
     "diffusion_nft_loss",
     "ema_update_",
     "flow_dppo_loss",
@@ -179,6 +181,24 @@ def _randn(shape, generator, device, dtype) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
 
 
+def check_sde_sigmas(sigma: torch.Tensor, sigma_next: torch.Tensor, *, sde_type: str = "sde",
+                     sigma_max: float | torch.Tensor | None = None) -> None:
+    """Raise ValueError unless ``0 <= sigma_next < sigma <= 1`` elementwise (any equal shapes, e.g. ``(B, W)`` of a
+    whole rollout's stored steps), and, for ``sde_type="sde"`` without ``sigma_max``, no ``sigma == 1``. One host
+    sync (`sde_step` runs it on every call unless told the caller did)."""
+    bad = (sigma <= 0) | (sigma > 1) | (sigma_next < 0) | (sigma_next >= sigma)
+    if sde_type == "sde" and sigma_max is None:
+        bad_sigma_max = (sigma == 1).any()
+        if bool((bad.any() | bad_sigma_max).item()):
+            if bool(bad_sigma_max.item()):
+                raise ValueError(
+                    "sigma == 1 needs sigma_max (the schedule's second sigma, sigmas[1]) for the sde noise scale"
+                )
+            raise ValueError("sigmas must satisfy 0 <= sigma_next < sigma <= 1 for every sample")
+    elif bool(bad.any().item()):
+        raise ValueError("sigmas must satisfy 0 <= sigma_next < sigma <= 1 for every sample")
+
+
 def sde_step(
     sample: torch.Tensor,
     model_output: torch.Tensor,
@@ -190,6 +210,7 @@ def sde_step(
     sigma_max: float | torch.Tensor | None = None,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    validate: bool = True,
 ) -> SDEStep:
     """One reverse Flow-SDE transition from ``sigma`` to ``sigma_next`` with its Gaussian log-prob.
 
@@ -213,6 +234,7 @@ def sde_step(
     with ``generator`` (a list draws row b from ``generator[b]``, so results do not depend on batching).
     ``noise_level = 0`` is the plain Euler step ``x + dt v``: no noise is drawn and ``log_prob`` is ``None``
     (the density is degenerate; asking for the log-prob of a given sample there raises).
+    ``validate=False`` skips `check_sde_sigmas` (one host sync) for a caller that checked these sigmas already.
     """
     if sde_type not in SDE_TYPES:
         raise ValueError(f"sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
@@ -238,18 +260,9 @@ def sde_step(
     sigma = _per_sample(sigma, batch, ndim, dtype, device, "sigma")
     sigma_next = _per_sample(sigma_next, batch, ndim, dtype, device, "sigma_next")
 
+    if validate:
+        check_sde_sigmas(sigma, sigma_next, sde_type=sde_type, sigma_max=sigma_max)
     at_one = sigma == 1
-    bad = (sigma <= 0) | (sigma > 1) | (sigma_next < 0) | (sigma_next >= sigma)
-    if sde_type == "sde" and sigma_max is None:
-        bad_sigma_max = at_one.any()
-        if bool((bad.any() | bad_sigma_max).item()):
-            if bool(bad_sigma_max.item()):
-                raise ValueError(
-                    "sigma == 1 needs sigma_max (the schedule's second sigma, sigmas[1]) for the sde noise scale"
-                )
-            raise ValueError("sigmas must satisfy 0 <= sigma_next < sigma <= 1 for every sample")
-    elif bool(bad.any().item()):
-        raise ValueError("sigmas must satisfy 0 <= sigma_next < sigma <= 1 for every sample")
 
     dt = sigma_next - sigma
     if sde_type == "sde":
@@ -422,6 +435,28 @@ def _require_same_shape(**tensors: torch.Tensor) -> None:
         raise ValueError(f"shapes must match: {shapes}")
 
 
+class LossMetrics(dict):
+    """A loss's metrics, name -> value: Python floats (``sync=True``: read on the host, one sync each), or 0-dim
+    detached tensors on the loss's device (``sync=False``: nothing read). With ``sync=False`` the loss does not
+    check itself either: ``finite`` is the 0-dim bool tensor that ``sync=True`` raises `NonFiniteLossError` on
+    (`training.GradStepper` reads it once per optimizer step); None with ``sync=True``."""
+
+    finite: torch.Tensor | None = None
+
+
+def _metrics_out(values: dict[str, torch.Tensor], sync: bool, check: torch.Tensor, loss: torch.Tensor,
+                 **inputs: torch.Tensor | None) -> LossMetrics:
+    """The metrics of a loss from their 0-dim tensors `values`: read to floats and `check`ed (`sync`), or left on
+    the device with ``finite = isfinite(check).all()``."""
+    if not sync:
+        metrics = LossMetrics(values)
+        metrics.finite = torch.isfinite(check.detach()).all()
+        return metrics
+    metrics = LossMetrics({key: float(value.item()) for key, value in values.items()})
+    _raise_if_not_finite(check, loss, metrics, **inputs)
+    return metrics
+
+
 class NonFiniteLossError(ValueError):
     """A loss came out NaN/inf (diverged weights, an overflow): a fact about the numbers, not a bad argument.
 
@@ -443,8 +478,8 @@ def _raise_if_not_finite(result: torch.Tensor, loss: torch.Tensor, metrics: dict
     raise NonFiniteLossError(f"loss is not finite ({where}); refusing to back-propagate NaN/inf", loss, metrics)
 
 
-def _std(x: torch.Tensor, unbiased: bool) -> float:
-    return float(x.std(unbiased=unbiased).item()) if x.numel() > 1 else 0.0
+def _std(x: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    return x.std(unbiased=unbiased) if x.numel() > 1 else torch.zeros((), dtype=x.dtype, device=x.device)
 
 
 def flow_grpo_loss(
@@ -454,14 +489,16 @@ def flow_grpo_loss(
     *,
     clip_ratio: float,
     adv_clip_max: float = 5.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    sync: bool = True,
+) -> tuple[torch.Tensor, LossMetrics]:
     """Flow-GRPO clipped surrogate, mean over the given (sample, step) elements.
 
     ``rho = exp(logp - logp_old)``, ``A^ = clamp(A, -C, C)`` (C = ``adv_clip_max``),
     ``loss = mean[ max(-A^ rho, -A^ clamp(rho, 1 - eps, 1 + eps)) ]`` with eps = ``clip_ratio``.
     The gradient is zero where the clipped branch is active (A^ > 0, rho > 1 + eps or A^ < 0, rho < 1 - eps).
     Metrics: ``pg_loss``, ``ppo_kl = mean(logp_old - logp)``, ``pg_clipfrac = mean(|rho - 1| > eps)``,
-    ``pg_clipfrac_higher``, ``pg_clipfrac_lower``, ``ratio_mean``, ``ratio_std`` (unbiased).
+    ``pg_clipfrac_higher``, ``pg_clipfrac_lower``, ``ratio_mean``, ``ratio_std`` (unbiased); floats, or with
+    ``sync=False`` device tensors (`LossMetrics`).
     """
     if not (math.isfinite(clip_ratio) and clip_ratio > 0):
         raise ValueError(f"clip_ratio must be > 0, got {clip_ratio}")
@@ -476,17 +513,17 @@ def flow_grpo_loss(
     loss = torch.mean(torch.maximum(unclipped, clipped))
     with torch.no_grad():
         ratio_d = ratio.detach()
-        metrics = {
-            "pg_loss": float(loss.item()),
-            "ppo_kl": float(torch.mean(-log_ratio.detach()).item()),
-            "pg_clipfrac": float(((ratio_d - 1.0).abs() > clip_ratio).float().mean().item()),
-            "pg_clipfrac_higher": float((ratio_d - 1.0 > clip_ratio).float().mean().item()),
-            "pg_clipfrac_lower": float((1.0 - ratio_d > clip_ratio).float().mean().item()),
-            "ratio_mean": float(ratio_d.mean().item()),
+        values = {
+            "pg_loss": loss.detach(),
+            "ppo_kl": torch.mean(-log_ratio.detach()),
+            "pg_clipfrac": ((ratio_d - 1.0).abs() > clip_ratio).float().mean(),
+            "pg_clipfrac_higher": (ratio_d - 1.0 > clip_ratio).float().mean(),
+            "pg_clipfrac_lower": (1.0 - ratio_d > clip_ratio).float().mean(),
+            "ratio_mean": ratio_d.mean(),
             "ratio_std": _std(ratio_d, unbiased=True),
         }
-    _raise_if_not_finite(loss, loss, metrics, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
-    return loss, metrics
+    return loss, _metrics_out(values, sync, loss, loss, log_prob=log_prob, old_log_prob=old_log_prob,
+                              advantages=advantages)
 
 
 def flow_dppo_loss(
@@ -500,7 +537,8 @@ def flow_dppo_loss(
     *,
     kl_mask_threshold: float = 1e-5,
     add_kl_coefficient: bool = True,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    sync: bool = True,
+) -> tuple[torch.Tensor, LossMetrics]:
     """Flow-DPPO: unclipped surrogate with a divergence trust-region mask, per sample of one stored step.
 
     Shapes: log-probs and advantages ``(B,)``, means ``(B, *D)``, ``std_dev_t`` ``(B,)`` or ``(B, 1, ..., 1)``,
@@ -516,7 +554,7 @@ def flow_dppo_loss(
       gradient, even if their ratio overflowed).
     Metrics: ``pg_loss``, ``ppo_kl``, ``approx_kl = mean(log_ratio^2 / 2)``, ``ratio_{mean,std (population),min,max}``,
     ``kl_new_old_{mean,max}``, ``kl_mask_fraction``, ``pos_rm_fraction``, ``neg_rm_fraction``,
-    ``masked_fraction``, ``unmasked_fraction``.
+    ``masked_fraction``, ``unmasked_fraction``; floats, or with ``sync=False`` device tensors (`LossMetrics`).
     """
     if not (math.isfinite(kl_mask_threshold) and kl_mask_threshold > 0):
         raise ValueError(f"kl_mask_threshold must be > 0, got {kl_mask_threshold}")
@@ -555,29 +593,28 @@ def flow_dppo_loss(
     loss = torch.mean(per_sample)
     with torch.no_grad():
         log_ratio_d = log_ratio.detach()
-        metrics = {
-            "pg_loss": float(loss.item()),
-            "ppo_kl": float(torch.mean(-log_ratio_d).item()),
-            "approx_kl": float((0.5 * log_ratio_d.pow(2)).mean().item()),
-            "ratio_mean": float(ratio.mean().item()),
+        values = {
+            "pg_loss": loss.detach(),
+            "ppo_kl": torch.mean(-log_ratio_d),
+            "approx_kl": (0.5 * log_ratio_d.pow(2)).mean(),
+            "ratio_mean": ratio.mean(),
             "ratio_std": _std(ratio, unbiased=False),
-            "ratio_min": float(ratio.min().item()),
-            "ratio_max": float(ratio.max().item()),
-            "kl_new_old_mean": float(kl.mean().item()),
-            "kl_new_old_max": float(kl.max().item()),
-            "kl_mask_fraction": float(high.float().mean().item()),
-            "pos_rm_fraction": float(pos_rm.float().mean().item()),
-            "neg_rm_fraction": float(neg_rm.float().mean().item()),
-            "masked_fraction": float(masked.float().mean().item()),
-            "unmasked_fraction": float(keep.float().mean().item()),
+            "ratio_min": ratio.min(),
+            "ratio_max": ratio.max(),
+            "kl_new_old_mean": kl.mean(),
+            "kl_new_old_max": kl.max(),
+            "kl_mask_fraction": high.float().mean(),
+            "pos_rm_fraction": pos_rm.float().mean(),
+            "neg_rm_fraction": neg_rm.float().mean(),
+            "masked_fraction": masked.float().mean(),
+            "unmasked_fraction": keep.float().mean(),
         }
-    _raise_if_not_finite(
-        torch.stack([loss.detach(), kl.sum()]), loss, metrics,
+    return loss, _metrics_out(
+        values, sync, torch.stack([loss.detach(), kl.sum()]), loss,
         log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
         prev_sample_mean=prev_sample_mean, old_prev_sample_mean=old_prev_sample_mean,
         std_dev_t=std_dev_t, sqrt_neg_dt=sqrt_neg_dt,
     )
-    return loss, metrics
 
 
 def diffusion_nft_loss(
@@ -593,7 +630,8 @@ def diffusion_nft_loss(
     ref_prediction: torch.Tensor | None = None,
     ref_kl_coef: float = 0.0,
     adaptive_weight_min: float = 1e-5,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    sync: bool = True,
+) -> tuple[torch.Tensor, LossMetrics]:
     """DiffusionNFT's forward-process objective (verl-omni ``DiffusionNFTLoss``, = the official inline loss).
 
     Predictions are velocities in the diffusers convention (``v = eps - x0``; negate Boogu outputs first), all
@@ -610,7 +648,8 @@ def diffusion_nft_loss(
     ``L+ = L- = mean_d[(x0^ - x0)^2] / max(w_min, mean_d|x0^ - x0|)`` and ``policy_loss = mean_i C L_i / beta``.
     Metrics: ``policy_loss``, ``positive_loss = mean_i L+_i``, ``negative_loss = mean_i L-_i`` (before r, /beta,
     ×C), ``ref_kl_loss`` (0 without a reference), ``old_deviate = mean (v_theta - v_old)^2``,
-    ``reward_prob_mean``, ``total_loss``.
+    ``reward_prob_mean``, ``total_loss``; floats, or with ``sync=False`` device tensors (`LossMetrics`), and then
+    ``reward_prob`` is not checked to lie in [0, 1] (a host sync; `reward_probability`'s output always does).
     """
     if not (math.isfinite(mix_beta) and mix_beta > 0):
         raise ValueError(f"mix_beta must be > 0, got {mix_beta}")
@@ -663,24 +702,22 @@ def diffusion_nft_loss(
     else:
         ref_kl_loss = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
         loss = policy_loss
-    in_range = (reward_weight >= 0).all() & (reward_weight <= 1).all()
-    if not bool(in_range.item()):
+    if sync and not bool(((reward_weight >= 0).all() & (reward_weight <= 1).all()).item()):
         raise ValueError("reward_prob must lie in [0, 1] (use reward_probability on the advantages)")
     with torch.no_grad():
-        metrics = {
-            "policy_loss": float(policy_loss.item()),
-            "positive_loss": float(positive_loss.mean().item()),
-            "negative_loss": float(negative_loss.mean().item()),
-            "ref_kl_loss": float(ref_kl_loss.item()),
-            "old_deviate": float(((forward_prediction.detach() - old_prediction) ** 2).mean().item()),
-            "reward_prob_mean": float(reward_weight.mean().item()),
-            "total_loss": float(loss.item()),
+        values = {
+            "policy_loss": policy_loss.detach(),
+            "positive_loss": positive_loss.detach().mean(),
+            "negative_loss": negative_loss.detach().mean(),
+            "ref_kl_loss": ref_kl_loss.detach(),
+            "old_deviate": ((forward_prediction.detach() - old_prediction) ** 2).mean(),
+            "reward_prob_mean": reward_weight.mean(),
+            "total_loss": loss.detach(),
         }
-    _raise_if_not_finite(
-        loss, loss, metrics, forward_prediction=forward_prediction, old_prediction=old_prediction, x0=x0, xt=xt, t=t,
-        reward_prob=reward_prob, ref_prediction=ref_prediction,
+    return loss, _metrics_out(
+        values, sync, loss, loss, forward_prediction=forward_prediction, old_prediction=old_prediction, x0=x0,
+        xt=xt, t=t, reward_prob=reward_prob, ref_prediction=ref_prediction,
     )
-    return loss, metrics
 
 
 def select_train_timesteps(

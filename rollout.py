@@ -1425,6 +1425,10 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--cfg-batch", action="store_true",
                         help="run CFG as one transformer forward over [cond ; uncond] instead of two")
+    parser.add_argument("--attention-backend", default="auto", help="SDPA backend (models.base.attention_backend)")
+    parser.add_argument("--profile-generate", type=int, default=0,
+                        help="record a torch.profiler trace of the N-th generate request (0 = off)")
+    parser.add_argument("--profile-path", default="", help="where that trace goes (gzipped Chrome JSON)")
     args = parser.parse_args(argv)
     _die_with_parent()
     # a terminal Ctrl-C (same process group) or a scheduler's SIGTERM must not kill the worker before the trainer
@@ -1452,6 +1456,22 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     except Exception as e:  # report the load failure to the parent, then exit
         _send(channel_out, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         return
+    from models.base import attention_backend
+
+    profiler = None
+    if args.profile_generate > 0:
+        from training.profiling import step_profiler
+
+        profiler = step_profiler(args.profile_path, step=args.profile_generate, first_step=1,
+                                 cuda=args.device.startswith("cuda"))
+        profiler.start()
+    with attention_backend(args.attention_backend):
+        _serve(engine, channel_in, channel_out, args.device, profiler)
+
+
+def _serve(engine: Any, channel_in, channel_out, device: str, profiler: Any) -> None:
+    """The worker's request loop (until the trainer closes the channel); `profiler` (or None) is stepped after
+    every generate request."""
     while True:
         try:
             message = _recv(channel_in)
@@ -1463,9 +1483,12 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
         op = message.get("op") if type(message) is dict else None
         try:
             if op == "generate":  # streamed: one message per finished chunk, then "done" (or an error, which ends it)
-                for start, part in engine.generate_chunks(RolloutRequest.from_dict(message["request"])):
-                    _send(channel_out, {"ok": True, "chunk": {"start": start, "result": part.to_dict()}})
-                reply = {"ok": True, "done": True, "memory": release_memory(args.device)}
+                with torch.profiler.record_function("timing_s/gen"):
+                    for start, part in engine.generate_chunks(RolloutRequest.from_dict(message["request"])):
+                        _send(channel_out, {"ok": True, "chunk": {"start": start, "result": part.to_dict()}})
+                if profiler is not None:
+                    profiler.step()
+                reply = {"ok": True, "done": True, "memory": release_memory(device)}
             elif op == "load_adapter":
                 reply = {"ok": True, "bound_modules": engine.load_adapter(message["path"], message["version"])}
             elif op == "load_adapter_tensors":
@@ -1473,7 +1496,7 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
                     raise RuntimeError(f"the {engine.name} engine reads adapters from PEFT directories only; use "
                                        "--rollout_sync disk")
                 reply = {"ok": True, "bound_modules": engine.load_adapter_tensors(message)}
-                release_memory(args.device)
+                release_memory(device)
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as e:
@@ -1618,14 +1641,16 @@ class RolloutGroup:
     it as its cuda:1. Requests are split into contiguous row blocks across workers; each worker streams its results
     back chunk by chunk (`submit`), gathered in order. A worker that dies, fails or exceeds `timeout_s` stops the
     group with a `RolloutError` carrying its stderr tail; `close()` (also on Ctrl-C, at exit, or when the parent
-    dies) leaves no process behind.
+    dies) leaves no process behind. attention_backend: the workers' SDPA backend (`models.base.attention_backend`);
+    profile_generate N > 0: each worker records a torch.profiler trace of its N-th generate request into
+    `log_dir`/profile-worker-<index>.json.gz (`training.step_profiler`).
     """
 
     def __init__(self, model_path: str, devices: Sequence[str], *, engine: str = "native", dtype: str = "float32",
                  max_batch_size: int = 8, timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0,
                  log_dir: str | None = None, threads_per_worker: int = 0, env: dict[str, str] | None = None,
                  cfg_batch: bool = False, ipc_sources: Sequence[int | None] | None = None,
-                 python: str | None = None) -> None:
+                 python: str | None = None, attention_backend: str = "auto", profile_generate: int = 0) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
         if not devices:
@@ -1649,7 +1674,10 @@ class RolloutGroup:
                 log = open(log_path, "ab")
                 command = [python or sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
                            "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
-                           "--threads", str(threads_per_worker)] + (["--cfg-batch"] if cfg_batch else [])
+                           "--threads", str(threads_per_worker), "--attention-backend", attention_backend] \
+                    + (["--cfg-batch"] if cfg_batch else []) + (["--profile-generate", str(profile_generate),
+                       "--profile-path", os.path.join(self.log_dir, f"profile-worker-{index}.json.gz")]
+                      if profile_generate > 0 else [])
                 # unbuffered: select() on the pipe then sees every byte the worker wrote
                 process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                            env=worker_env, bufsize=0)

@@ -66,15 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def replay(model, latents, timesteps, next_latents, cond, sigmas, scale, args):
-    """Log-prob and mean of the stored transition latents -> next_latents at `timesteps` (1000·σ, looked up in the
-    schedule by exact equality) under the model's current weights, with the rollout's conditioning `cond`
-    (`models.base.Conditioning`), CFG and SDE."""
-    sigma, sigma_next = losses.sigmas_at_timesteps(timesteps, sigmas)
+def replay(model, latents, sigma, sigma_next, next_latents, cond, sigmas, scale, args):
+    """Log-prob and mean of the stored transition latents -> next_latents from `sigma` to `sigma_next` ((B,), the
+    stored timesteps looked up and checked once per step) under the model's current weights, with the rollout's
+    conditioning `cond` (`models.base.Conditioning`), CFG and SDE."""
     velocity = model.guided_velocity(latents, sigma, cond.prompt, cond.negative, scale, cond.ref_latents,
                                      height=args.height, width=args.width)
     return losses.sde_step(latents, velocity, sigma, sigma_next, noise_level=args.noise_level,
-                           sde_type=args.sde_type, sigma_max=sigmas[1], prev_sample=next_latents)
+                           sde_type=args.sde_type, sigma_max=sigmas[1], prev_sample=next_latents, validate=False)
 
 
 def main(argv=None) -> None:
@@ -114,6 +113,9 @@ def main(argv=None) -> None:
         timesteps = result.all_timesteps.to(device)               # (B, W)
         cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
         sigmas = result.metadata["sigmas"].to(device)
+        # the stored timesteps (1000·σ) looked up in the schedule by exact equality, and checked, once per step
+        sigma, sigma_next = losses.sigmas_at_timesteps(timesteps, sigmas)  # (B, W) each
+        losses.check_sde_sigmas(sigma, sigma_next, sde_type=args.sde_type, sigma_max=sigmas[1])
 
         # 3. old log-probs and means, recomputed with the weights that sampled (ratio = 1 at the first update), or
         #    the rollout's own (--old_log_probs rollout)
@@ -126,8 +128,8 @@ def main(argv=None) -> None:
                     rows_ = torch.arange(micro, min(micro + args.micro_batch_size, n_local), device=device)
                     cond_mb = cond.index(rows_)
                     for j in range(num_w):
-                        out = replay(model, latents[rows_, j], timesteps[rows_, j], latents[rows_, j + 1], cond_mb,
-                                     sigmas, scale, args)
+                        out = replay(model, latents[rows_, j], sigma[rows_, j], sigma_next[rows_, j],
+                                     latents[rows_, j + 1], cond_mb, sigmas, scale, args)
                         old_log_probs[rows_, j] = out.log_prob
                         old_means[rows_, j] = out.prev_sample_mean
             first_pass = None
@@ -148,8 +150,8 @@ def main(argv=None) -> None:
                         rows_ = torch.arange(micro, micro + args.micro_batch_size, device=device)
                         cond_mb = cond.index(rows_)
                         for j in range(num_w):
-                            out = replay(model, latents[rows_, j], timesteps[rows_, j], latents[rows_, j + 1],
-                                         cond_mb, sigmas, scale, args)
+                            out = replay(model, latents[rows_, j], sigma[rows_, j], sigma_next[rows_, j],
+                                         latents[rows_, j + 1], cond_mb, sigmas, scale, args)
                             if first_pass is not None and epoch == 0 and mini == 0:  # weights = the rollout's
                                 first_pass[rows_, j] = out.log_prob.detach()
                             if args.loss == "flow_dppo":
@@ -157,11 +159,12 @@ def main(argv=None) -> None:
                                     out.log_prob, old_log_probs[rows_, j], advantages[rows_], out.prev_sample_mean,
                                     old_means[rows_, j], out.std_dev_t, out.sqrt_neg_dt,
                                     kl_mask_threshold=args.kl_mask_threshold,
-                                    add_kl_coefficient=args.add_kl_coefficient)
+                                    add_kl_coefficient=args.add_kl_coefficient, sync=args.loss_metrics == "host")
                             else:
                                 loss, loss_metrics = run.stepper.checked_loss(losses.flow_grpo_loss,
                                     out.log_prob, old_log_probs[rows_, j], advantages[rows_],
-                                    clip_ratio=args.clip_ratio, adv_clip_max=args.adv_clip_max)
+                                    clip_ratio=args.clip_ratio, adv_clip_max=args.adv_clip_max,
+                                    sync=args.loss_metrics == "host")
                             (loss / (len(micro_starts) * num_w)).backward()
                             accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
                     accumulator.add(run.stepper.step(run.optimizer))

@@ -146,7 +146,7 @@ def main(argv=None) -> None:
                             loss, loss_metrics = run.stepper.checked_loss(losses.diffusion_nft_loss,
                                 v, v_old, x0_mb, xt, t, reward_prob[rows_], mix_beta=args.mix_beta,
                                 adv_clip_max=args.adv_clip_max, ref_prediction=v_ref, ref_kl_coef=args.ref_kl_coef,
-                                adaptive_weight_min=args.adaptive_weight_min)
+                                adaptive_weight_min=args.adaptive_weight_min, sync=args.loss_metrics == "host")
                             (loss / (len(micro_starts) * num_k)).backward()
                             accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
                     accumulator.add(run.stepper.step(run.optimizer))

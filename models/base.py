@@ -340,3 +340,24 @@ class FlowModel:
                 f"(e.g. the dataset's negative_prompt) or set {knob} <= 1 to disable guidance"
             )
         return True
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def attention_backend(name: str):
+    """A context manager that restricts `torch.nn.functional.scaled_dot_product_attention` (Qwen-Image through
+    diffusers' native attention, Boogu-Image directly) to one SDPA backend: "flash" / "cudnn" / "efficient" /
+    "math" (`torch.nn.attention.sdpa_kernel`; an input the backend cannot take raises a RuntimeError
+    instead of falling back), or "auto" = no restriction (torch's own choice, the path without this flag)."""
+    import contextlib
+
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    return sdpa_kernel([backend])

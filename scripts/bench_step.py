@@ -6,6 +6,9 @@ present, the baseline configuration (today's path) and the optimised one measure
     python scripts/bench_step.py --recipe qwen_dppo                    # one H200: one recipe per 10-minute call
     python scripts/bench_step.py --recipe boogu_nft --configs baseline,optimized,optimized_train_cfg
     python scripts/bench_step.py --smoke --out /tmp/bench_step.json    # CPU smoke run on the tiny Qwen-Image
+    python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json none --profile --out a.json
+    python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json a.json \
+        --baseline_config optimized --optimized_flags="--attention_backend cudnn"     # a change against today's path
 
 Recipes (the shipped scripts' settings; per GPU as the recipes have them per GPU, the prompt count scaled so that
 every trainer rank gets its recipe micro-batch; JSON-only JPEG compressibility reward as the cost-free stand-in for
@@ -20,13 +23,30 @@ Configurations (the flags that differ; everything else is the recipe's):
   baseline             today's path: fp32 frozen base (`--base_weights_dtype fp32`), training forwards with the
                        rollout's CFG, old log-probs recomputed, adapter sync through disk, reserved layout (one GPU:
                        the rollout worker shares cuda:0, as issue 10 measured; several: the last GPU rollout-only);
-  optimized            bf16 frozen base, CFG-free NFT training forwards (`--train_cfg off`), DPPO bypass
-                       (`--old_log_probs rollout`), `--rollout_devices colocated` when the trainer supports it,
-                       plus --optimized_flags (the integrator adds the rollout side's flags there, e.g. the
-                       in-memory adapter sync, once merged);
-  optimized_train_cfg  optimized but with the rollout's CFG in the NFT training forwards (`--train_cfg rollout`);
+  optimized            bf16 frozen base, CFG-free NFT training forwards (`--train_cfg off`), the recipes' own DPPO
+                       setting (`--old_log_probs recompute`: they keep it for the trust region),
+                       `--rollout_devices colocated` when the trainer supports it, plus --optimized_flags (e.g. the
+                       flags of a change under test: `--attention_backend cudnn`, `--loss_metrics host`);
+  optimized_bypass     optimized with DPPO's bypass (`--old_log_probs rollout`: no old-log-prob pass; DPPO only);
+  optimized_train_cfg  optimized but with the rollout's CFG in the NFT training forwards (`--train_cfg rollout`; NFT
+                       only);
   optimized_ckpt_half  optimized with selective checkpointing of half the blocks.
-The ratio of every configuration is taken against `baseline` of the same recipe in the same invocation.
+The ratio of every configuration is taken against `baseline` of the same recipe: measured in the same invocation,
+or, with --baseline_json PATH, the `baseline` runs of an earlier invocation's JSON (any bench_step JSON holding
+them, e.g. `--configs baseline --out base.json`; --baseline_config optimized takes that JSON's `optimized` runs
+instead, to measure a change against today's optimized path), refused when its machine (GPU names and count, torch,
+CUDA, Python) or its measurement flags (sizes, batch, warm-up, and --baseline_flags when the baseline is `baseline`)
+differ from this invocation's; with --baseline_mismatch_ok it is used anyway and the output says loudly what
+differs. --baseline_json none measures no baseline (no ratios; e.g. a first profile). The output says where the
+baseline came from.
+
+--profile: each run records a torch.profiler trace (CPU + CUDA activities, no shapes / stacks / memory) of its last
+step (`--profile_step`, the step before it the profiler's warm-up) in every trainer rank and rollout worker, and the
+bench prints a table per trace: per phase (the trainers' timing_s/* phases, the rollout worker's `gen`, and the
+whole step) wall / device-busy / device-idle ms, the longest idle gap, the host reads (`.item()`) and syncs, and the
+top kernels by device time (`training.profile_table`); the tables go into the JSON (run["profile"]) and the gzipped
+traces to --profile_dir. The two profiled steps are left out of the timing means when another measured step
+remains (--profile's default --steps 4 with one warm-up step: step 2 is timed, 3-4 profiled).
 
 What is reported per run (JSON at --out, rewritten after every run, so a killed call still returns the finished
 runs; also printed): images / GPU / s = images per step / (mean step time x every GPU the layout uses: trainer
@@ -40,6 +60,8 @@ Time plan for one H200 and one 10-minute call (issue 10's measurements): checkpo
 trainer rank; one Boogu NFT step of 12 images ~80 s today, so `boogu_nft` with 2 steps per run (1 measured) is
 ~50 + 220 (baseline) + ~130 (optimized) s; `qwen_dppo` at 60 blocks: the baseline does not fit on one H200 (fp32
 base, issue 10), so it is recorded as failed and the ratio is n/a; use --qwen_layers 40 for a ratio that fits.
+A baseline measured once (`--configs baseline` or any earlier JSON) and passed as --baseline_json saves its runs in
+every later call; docs/PERFORMANCE.md ("Profiling") has issue 18's per-recipe commands and runtimes.
 --deadline_s stops starting runs that cannot finish in time (estimated from the runs before) and kills a run that
 overruns it (recorded as timeout, with the step times its progress lines printed). --smoke starts its runs at once
 (on CPU their times mean nothing; it checks the plumbing, the JSON and the numerics of the configurations).
@@ -48,7 +70,10 @@ overruns it (recorded as timeout, with the step times its progress lines printed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import glob
+import gzip
 import json
 import os
 import shlex
@@ -71,7 +96,12 @@ for _path in (REPO, os.path.join(REPO, "scripts")):
 SCHEMA_VERSION = 1
 FAMILY_OF = {"qwen_dppo": "qwen_image", "qwen_nft": "qwen_image", "boogu_nft": "boogu_image"}
 TRAINER_OF = {"qwen_dppo": "train_dppo.py", "qwen_nft": "train_nft.py", "boogu_nft": "train_nft.py"}
-CONFIGS = ("baseline", "optimized", "optimized_train_cfg", "optimized_ckpt_half")
+CONFIGS = ("baseline", "optimized", "optimized_bypass", "optimized_train_cfg", "optimized_ckpt_half")
+ONLY_FOR = {"optimized_train_cfg": "train_nft.py", "optimized_bypass": "train_dppo.py"}  # trainer-specific configs
+# what a baseline of an earlier invocation must share with this one (`baseline_problems`)
+MACHINE_KEYS = ("gpu_names", "gpus", "torch", "cuda", "python")
+MEASUREMENT_ARGS = ("smoke", "per_gpu_images", "judge_gpus", "warmup_steps", "qwen_layers",
+                    "boogu_double_layers", "boogu_single_layers", "boogu_refiner_layers", "baseline_flags")
 BLOCKS = {"qwen_image": lambda a: a.qwen_layers,
           "boogu_image": lambda a: a.boogu_double_layers + a.boogu_single_layers + 3 * a.boogu_refiner_layers}
 # metrics copied per step into the JSON (numerics of the runs, next to their timings)
@@ -123,7 +153,7 @@ def config_flags(config: str, recipe: str, blocks: int, args) -> list[str]:
     if nft:
         flags += ["--train_cfg", "rollout" if config == "optimized_train_cfg" else "off"]
     else:
-        flags += ["--old_log_probs", "rollout"]
+        flags += ["--old_log_probs", "rollout" if config == "optimized_bypass" else "recompute"]
     if config == "optimized_ckpt_half":
         flags += ["--activation_checkpointing_blocks", str(blocks // 2)]
     return flags + shlex.split(args.optimized_flags)
@@ -277,14 +307,19 @@ def progress_step_times(stdout: str) -> dict[int, float]:
 
 
 def summarize(run: dict[str, Any], scalars: dict[str, dict[int, float]], step_times: dict[int, float],
-              images_per_step: int, warmup: int) -> None:
-    """Fill the per-step table and the means over the measured steps (all but the first `warmup`) into `run`."""
+              images_per_step: int, warmup: int, profiled: tuple[int, ...] = ()) -> None:
+    """Fill the per-step table and the means over the measured steps (all but the first `warmup`, and but the
+    `profiled` ones when another remains: `run["timing_includes_profiler"]` says which) into `run`."""
     times = {s: v for s, v in scalars.get("perf/time_per_step", {}).items()} or step_times
     steps = sorted(times)
     run["steps"] = [{"step": s, "time_s": times[s],
                      "metrics": {k: v[s] for k, v in sorted(scalars.items())
                                  if s in v and k.startswith(METRIC_PREFIXES)}} for s in steps]
     measured = [s for s in steps if s > warmup] or steps[-1:]
+    if profiled:
+        clean = [s for s in measured if s not in profiled]
+        measured = clean or measured
+        run["timing_includes_profiler"] = not clean
     run["measured_steps"] = measured
     if not measured:
         return
@@ -315,7 +350,8 @@ def trainer_argv(recipe: str, config: str, model_path: str, train_files: str, ru
          "256", "--activation_checkpointing"]
     common = ["--model_path", model_path, "--train_files", train_files, "--rollout_devices", layout["rollout_devices"],
               "--total_training_steps", str(args.steps), "--save_freq", "1000000", "--resume", "never",
-              "--output_dir", run_dir, "--seed", "42"] + size
+              "--output_dir", run_dir, "--seed", "42"] + size + (["--profile_step", str(args.steps)] if args.profile
+                                                                 else [])
     # later flags win in argparse: the configuration's override the recipe's
     return common + flags + config_flags(config, recipe, blocks, args), layout, images
 
@@ -359,8 +395,50 @@ def run_config(recipe: str, config: str, model_path: str, train_files: str, out_
         scalars = read_scalars(run_dir)
     except Exception:  # noqa: BLE001 (a truncated event file)
         scalars = {}
-    summarize(run, scalars, progress_step_times(stdout), images, args.warmup_steps)
+    profiled = (args.steps - 1, args.steps) if args.profile else ()
+    summarize(run, scalars, progress_step_times(stdout), images, args.warmup_steps, profiled)
+    if args.profile:
+        run["profile"] = collect_profiles(run_dir, f"{recipe}-{config}", args.profile_dir, args.smoke)
     return run
+
+
+def collect_profiles(run_dir: str, label: str, profile_dir: str, smoke: bool,
+                     max_bytes: int = 15 * 2**20) -> dict[str, Any]:
+    """The traces a --profile_step run wrote (trainer ranks under profile/, rollout workers under rollout_logs/):
+    each one's table (`training.profile_table`, CPU ops as the "device" in --smoke), printed and returned, and the
+    gzipped trace kept in `profile_dir` as <label>-<name>.json.gz (the run folder is deleted afterwards); a trace
+    larger than `max_bytes` is kept without its CPU ops (kernels, CUDA runtime calls and annotations remain), so
+    that it fits what a device call returns."""
+    from training.profiling import format_profile_table, load_trace, profile_table
+
+    found = sorted(glob.glob(os.path.join(run_dir, "profile", "*.json.gz"))
+                   + glob.glob(os.path.join(run_dir, "rollout_logs", "**", "profile-*.json.gz"), recursive=True))
+    out: dict[str, Any] = {"traces": {}, "tables": {}}
+    if not found:
+        out["error"] = "no trace written (the run ended before its profiled step?)"
+        return out
+    os.makedirs(profile_dir, exist_ok=True)
+    for path in found:
+        name = os.path.basename(path)[:-len(".json.gz")]
+        kept = os.path.join(profile_dir, f"{label}-{name}.json.gz")
+        events = load_trace(path)
+        slim = os.path.getsize(path) > max_bytes
+        if slim:
+            with gzip.open(kept, "wt", encoding="utf-8") as f:
+                json.dump({"traceEvents": [e for e in events if e.get("cat") != "cpu_op"]}, f)
+        else:
+            shutil.copyfile(path, kept)
+        out["traces"][name] = {"path": kept, "bytes": os.path.getsize(kept), "original_bytes": os.path.getsize(path),
+                               "cpu_ops_dropped": slim}
+        try:
+            table = profile_table(events, device="cpu" if smoke else "cuda")
+        except ValueError as e:  # e.g. a trace without device events: say so, keep the others
+            out["tables"][name] = {"error": str(e)}
+            continue
+        out["tables"][name] = dataclasses.asdict(table)
+        print(f"\nprofile {label} / {name} ({kept}, {os.path.getsize(kept) / 2**20:.1f} MiB"
+              f"{', CPU ops dropped' if slim else ''}):\n{format_profile_table(table)}", flush=True)
+    return out
 
 
 class _Null:
@@ -384,6 +462,50 @@ def _now() -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------------
+
+
+class BaselineError(ValueError):
+    """A --baseline_json that cannot serve: unreadable, not a bench_step JSON, or without an ok baseline run."""
+
+
+def load_baseline(path: str, recipes: list[str], config: str = "baseline") -> tuple[dict[str, Any],
+                                                                                  dict[str, dict[str, Any]]]:
+    """(the earlier invocation's JSON, recipe -> its `config` run) from `path`; BaselineError when it is
+    unreadable, not a bench_step JSON of this schema, or lacks an ok, measured `config` run of a recipe."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            earlier = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BaselineError(f"--baseline_json {path}: cannot be read as JSON ({e})") from None
+    if not isinstance(earlier, dict) or earlier.get("bench") != "bench_step" \
+            or earlier.get("schema_version") != SCHEMA_VERSION:
+        raise BaselineError(f"--baseline_json {path}: not a bench_step JSON of schema {SCHEMA_VERSION}")
+    if not isinstance(earlier.get("machine"), dict) or not isinstance(earlier.get("args"), dict):
+        raise BaselineError(f"--baseline_json {path}: no machine / args record")
+    runs = {}
+    for recipe in recipes:
+        run = earlier.get("recipes", {}).get(recipe, {}).get("runs", {}).get(config)
+        if not isinstance(run, dict) or run.get("status") != "ok" \
+                or not isinstance(run.get("images_per_gpu_s"), (int, float)) \
+                or not isinstance(run.get("step_time_s"), (int, float)):
+            status = run.get("status") if isinstance(run, dict) else "absent"
+            raise BaselineError(f"--baseline_json {path}: recipe {recipe} has no measured {config} run ({status}); "
+                                f"measure one with --recipe {recipe} --configs {config}")
+        runs[recipe] = run
+    return earlier, runs
+
+
+def baseline_problems(earlier: dict[str, Any], machine: dict[str, Any], args: dict[str, Any],
+                      config: str = "baseline") -> list[str]:
+    """What differs between the invocation that measured a baseline (`earlier`, its JSON; its `config` runs serve)
+    and this one: the machine (`MACHINE_KEYS`) and the flags that change what a run measures (`MEASUREMENT_ARGS`;
+    --baseline_flags only when the `baseline` runs serve); [] = comparable."""
+    out = [f"machine {key}: baseline {earlier['machine'].get(key)!r}, now {machine.get(key)!r}"
+           for key in MACHINE_KEYS if earlier["machine"].get(key) != machine.get(key)]
+    keys = [k for k in MEASUREMENT_ARGS if k != "baseline_flags" or config == "baseline"]
+    out += [f"--{key}: baseline {earlier['args'].get(key)!r}, now {args.get(key)!r}"
+            for key in keys if earlier["args"].get(key) != args.get(key)]
+    return out
 
 
 def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -411,6 +533,21 @@ def write_json(result: dict[str, Any], path: str) -> None:
     os.replace(tmp, path)
 
 
+def baseline_line(result: dict[str, Any]) -> str:
+    """Where the baseline of `result` came from, with the differences when it was accepted despite them."""
+    source = result.get("baseline_source")
+    if not source:
+        return "baseline: measured in this invocation"
+    if source.get("path") is None:
+        return "baseline: none (--baseline_json none): no ratios"
+    line = (f"baseline: the {source['config']} runs of {source['path']} (measured {source['started_at']}, commit "
+            f"{source['git_commit']}, host {source['host']}, flags {source['flags']!r}), not re-measured")
+    if source["mismatches"]:
+        line += ("\n!!! WARNING: THE BASELINE WAS MEASURED UNDER DIFFERENT CONDITIONS; ITS RATIOS ARE NOT A "
+                 "COMPARISON:\n!!!   " + "\n!!!   ".join(source["mismatches"]))
+    return line
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{'recipe':<10} {'config':<20} {'status':<8} {'img/GPU/s':>9} {'ratio':>6} {'s/step':>7} {'gen':>6} "
           f"{'old_lp':>6} {'update':>7} {'sync':>5} {'mfu gen/old/upd':>17} {'mem GiB':>8}")
@@ -421,7 +558,8 @@ def print_table(result: dict[str, Any]) -> None:
             fmt = lambda v, w, p=2: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
             mfus = "/".join(f"{mfu[k]:.2f}" if k in mfu else "-" for k in ("gen", "old_log_prob", "update_actor"))
             memory = run.get("trainer_memory_gib", {}).get("max_memory_allocated_gb")
-            print(f"{recipe:<10} {config:<20} {run['status']:<8} {fmt(run.get('images_per_gpu_s'), 9, 3)} "
+            label = f"{config} (file)" if "source" in run else config
+            print(f"{recipe:<10} {label:<20} {run['status']:<8} {fmt(run.get('images_per_gpu_s'), 9, 3)} "
                   f"{fmt(1.0 if config == 'baseline' and 'step_time_s' in run else ratio, 6)} "
                   f"{fmt(run.get('step_time_s'), 7)} {fmt(phase.get('gen'), 6, 1)} "
                   f"{fmt(phase.get('old_log_prob'), 6, 1)} {fmt(phase.get('update_actor'), 7, 1)} "
@@ -452,15 +590,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="bench_step.json", help="the JSON report (rewritten after every run)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run: tiny Qwen-Image (or Boogu) checkpoint, 64x64, 4 steps, 1 rank, 2 steps")
+    p.add_argument("--baseline_json", default=None,
+                   help="take the baseline runs from this earlier bench_step JSON instead of measuring them "
+                        "('none': no baseline, no ratios)")
+    p.add_argument("--baseline_config", default="baseline", choices=CONFIGS,
+                   help="which configuration of --baseline_json serves as the baseline")
+    p.add_argument("--baseline_mismatch_ok", action="store_true",
+                   help="use --baseline_json even if its machine or measurement flags differ (printed loudly)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler trace of every run's last step, and its per-phase table (see above)")
+    p.add_argument("--profile_dir", default=None, help="where the traces go (default: <--out>.profiles/)")
     args = p.parse_args(argv)
     args.recipe = args.recipe or ["qwen_dppo"]
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = sorted(set(args.configs) - set(CONFIGS))
     if bad:
         p.error(f"unknown --configs {bad}; choose from {CONFIGS}")
-    if "baseline" not in args.configs:
-        p.error("--configs must include baseline: every ratio is against the baseline measured in the same run")
-    args.steps = args.steps or (2 if args.smoke else 3)
+    if args.baseline_json and "baseline" in args.configs:
+        p.error("--baseline_json replaces the baseline run: drop baseline from --configs")
+    if "baseline" not in args.configs and not args.baseline_json:
+        p.error("--configs must include baseline (or take it from an earlier run with --baseline_json, or pass "
+                "--baseline_json none): every ratio is against a baseline of the same machine")
+    args.steps = args.steps or (2 if args.smoke else 4 if args.profile else 3)
+    args.profile_dir = args.profile_dir or f"{os.path.splitext(args.out)[0]}.profiles"
     if args.steps <= args.warmup_steps:
         p.error(f"--steps ({args.steps}) must exceed --warmup_steps ({args.warmup_steps}) to measure anything")
     if args.gpus is None:
@@ -486,19 +638,38 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.time()
     deadline = started + args.deadline_s
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_step-")
-    os.makedirs(workdir, exist_ok=True)
-    import torch
     from training.logs import git_commit
 
     result: dict[str, Any] = {
         "bench": "bench_step", "schema_version": SCHEMA_VERSION, "started_at": _now(), "smoke": args.smoke,
         "args": vars(args), "git_commit": git_commit(REPO),
-        "machine": {"host": socket.gethostname(), "gpus": args.gpus, "torch": torch.__version__,
-                    "cuda": str(torch.version.cuda), "gpu_names": _gpu_names()},
+        "machine": machine_info(args.gpus),
         "peak_tflops_env": os.environ.get("FLOWRL_PEAK_TFLOPS"), "recipes": {}}
+    baselines: dict[str, dict[str, Any]] = {}
+    if args.baseline_json == "none":
+        result["baseline_source"] = {"path": None}
+    elif args.baseline_json:
+        try:
+            earlier, baselines = load_baseline(args.baseline_json, args.recipe, args.baseline_config)
+        except BaselineError as e:
+            print(f"bench_step: {e}", file=sys.stderr)
+            return 2
+        mismatches = baseline_problems(earlier, result["machine"], vars(args), args.baseline_config)
+        flags = earlier["args"].get("baseline_flags" if args.baseline_config == "baseline" else "optimized_flags")
+        result["baseline_source"] = {"path": os.path.abspath(args.baseline_json), "config": args.baseline_config,
+                                     "flags": flags, "started_at": earlier.get("started_at"),
+                                     "git_commit": earlier.get("git_commit"), "host": earlier["machine"].get("host"),
+                                     "mismatches": mismatches}
+        if mismatches and not args.baseline_mismatch_ok:
+            print(f"bench_step: --baseline_json {args.baseline_json} was measured under different conditions "
+                  f"(pass --baseline_mismatch_ok to compare anyway):\n  " + "\n  ".join(mismatches),
+                  file=sys.stderr)
+            return 2
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_step-")
+    os.makedirs(workdir, exist_ok=True)
     print(f"bench_step: recipes {args.recipe}, configs {args.configs}, {args.steps} steps per run (first "
-          f"{args.warmup_steps} excluded), {'CPU smoke' if args.smoke else f'{args.gpus} GPU(s)'}, out {args.out}")
+          f"{args.warmup_steps} excluded), {'CPU smoke' if args.smoke else f'{args.gpus} GPU(s)'}, out {args.out}"
+          f"\n{baseline_line(result)}", flush=True)
     status = 0
     try:
         families = sorted({FAMILY_OF[r] for r in args.recipe}, key=[FAMILY_OF[r] for r in args.recipe].index)
@@ -511,15 +682,17 @@ def main(argv=None) -> int:
             train_files = demo_data(family, workdir)
             for recipe in [r for r in args.recipe if FAMILY_OF[r] == family]:
                 entry = result["recipes"].setdefault(recipe, {"family": family, "build_s": build_s, "runs": {}})
-                nft = TRAINER_OF[recipe] == "train_nft.py"
-                configs = [c for c in args.configs if c != "optimized_train_cfg" or nft]
+                if recipe in baselines:
+                    entry["runs"]["baseline"] = dict(baselines[recipe], source=result["baseline_source"]["path"],
+                                                     source_config=args.baseline_config)
+                configs = [c for c in args.configs if ONLY_FOR.get(c, TRAINER_OF[recipe]) == TRAINER_OF[recipe]]
                 if args.smoke:  # CPU smoke: the runs at once (their times mean nothing here; halves the wall time)
                     from concurrent.futures import ThreadPoolExecutor
 
-                    with ThreadPoolExecutor(len(configs)) as pool:
+                    with ThreadPoolExecutor(max(1, len(configs))) as pool:
                         runs = list(pool.map(lambda c: run_config(recipe, c, model_path, train_files, workdir,
                                                                   args, deadline), configs))
-                    entry["runs"] = dict(zip(configs, runs))
+                    entry["runs"].update(zip(configs, runs))
                     entry["ratios"] = ratios(entry["runs"])
                     status = max(status, int(any(r["status"] != "ok" for r in runs)))
                     continue
@@ -544,9 +717,19 @@ def main(argv=None) -> int:
         if args.workdir is None and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     print_table(result)
-    print(f"\nratio = this configuration's images/GPU/s / the baseline's, measured in this invocation; "
-          f"JSON: {args.out}; wall {time.time() - started:.0f}s")
+    print(f"\nratio = this configuration's images/GPU/s / the baseline's; {baseline_line(result)}\nJSON: {args.out}; "
+          f"wall {time.time() - started:.0f}s")
     return status
+
+
+def machine_info(gpus: int) -> dict[str, Any]:
+    """What a baseline must share with a run compared against it (`MACHINE_KEYS`), plus the host name."""
+    import platform
+
+    import torch
+
+    return {"host": socket.gethostname(), "gpus": gpus, "torch": torch.__version__, "cuda": str(torch.version.cuda),
+            "gpu_names": _gpu_names(), "python": platform.python_version()}
 
 
 def _gpu_names() -> list[str]:

@@ -287,3 +287,114 @@ def test_nft_training_cfg_flag_and_qwen_default():
     assert T.guidance_of(qwen, dppo) == 4.0 and dppo.old_log_probs == "recompute"
     with pytest.raises(SystemExit):
         train_nft.parse_args(base + ["--train_cfg", "half"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loss metrics kept on the device (--loss_metrics device): no host sync per loss call, the same numbers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _loss_calls(nan: bool = False):
+    """(name, loss function, args, kwargs) of the three objectives on random inputs (one NaN input with `nan`)."""
+    import losses
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    v, v_old, x0, xt = r(3, 4, 5).requires_grad_(), r(3, 4, 5), r(3, 4, 5), r(3, 4, 5)
+    logp, old_logp, adv = (r(3) * 0.01).requires_grad_(), r(3) * 0.01, r(3)
+    mean, old_mean = r(3, 4, 5).requires_grad_(), r(3, 4, 5)
+    if nan:
+        v_old[1, 2, 3], old_logp[0], old_mean[2, 0, 0] = float("nan"), float("nan"), float("nan")
+    return [
+        ("nft", losses.diffusion_nft_loss, (v, v_old, x0, xt, torch.rand(3, generator=g), torch.rand(3, generator=g)),
+         dict(mix_beta=0.1, adv_clip_max=1.0, ref_prediction=r(3, 4, 5), ref_kl_coef=0.5)),
+        ("dppo", losses.flow_dppo_loss, (logp, old_logp, adv, mean, old_mean, torch.rand(3, generator=g) + 0.5,
+                                         torch.rand(3, generator=g) + 0.1), dict(kl_mask_threshold=1e-3)),
+        ("grpo", losses.flow_grpo_loss, (logp, old_logp, adv), dict(clip_ratio=1e-2)),
+    ]
+
+
+def test_device_loss_metrics_equal_the_host_reads_bit_for_bit():
+    """sync=False returns the same loss and, per metric, the 0-dim tensor whose value sync=True reads; summed over
+    calls by MetricAccumulator (float64 either way) the logged means are bit-identical."""
+    for name, fn, args, kwargs in _loss_calls():
+        host_acc, device_acc = T.MetricAccumulator(), T.MetricAccumulator()
+        for scale in (1.0, 0.5, 2.0):  # three calls, as over micro-batches x timesteps
+            scaled = [a * scale if a.dtype.is_floating_point and a.ndim == 3 else a for a in args]
+            loss_h, host = fn(*scaled, **kwargs)
+            loss_d, device = fn(*scaled, **kwargs, sync=False)
+            assert torch.equal(loss_h, loss_d), name
+            assert host.finite is None and device.finite.dtype == torch.bool and bool(device.finite), name
+            assert list(host) == list(device) and all(isinstance(x, float) for x in host.values()), name
+            assert all(isinstance(x, torch.Tensor) and x.ndim == 0 and not x.requires_grad
+                       for x in device.values()), name
+            assert {k: float(x) for k, x in device.items()} == dict(host), name
+            host_acc.add(host)
+            device_acc.add(device)
+        assert host_acc.reduce() == device_acc.reduce(), name
+
+
+def test_device_loss_metrics_read_nothing_on_the_host(monkeypatch):
+    """With sync=False no loss reads a tensor on the host (`.item()`, bool(), float(), .tolist() all raise here);
+    with sync=True the same guard trips, so it would catch a read."""
+    calls = _loss_calls()
+
+    def forbidden(self, *a, **k):
+        raise AssertionError("host read of a tensor")
+
+    for method in ("item", "__bool__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, method, forbidden)
+    for name, fn, args, kwargs in calls:
+        fn(*args, **kwargs, sync=False)
+        with pytest.raises(AssertionError, match="host read"):
+            fn(*args, **kwargs)
+
+
+def test_a_nonfinite_device_loss_skips_the_step_as_the_host_check_does():
+    """sync=False: the NaN loss is not raised but flagged; GradStepper.step reads the flag once and skips the step
+    (sync=True names the inputs; the outcome, the skipped step and unchanged weights, is the same)."""
+    for name, fn, args, kwargs in _loss_calls(nan=True):
+        reasons = []
+        for sync in (True, False):
+            weight = torch.nn.Parameter(torch.ones(()))
+            opt = torch.optim.AdamW([weight], lr=0.1)
+            stepper = T.GradStepper()
+            loss, metrics = stepper.checked_loss(fn, *args, **kwargs, sync=sync)
+            (loss * weight).backward()
+            m = stepper.step(opt)
+            assert m["actor/step_skipped"] == 1.0 and weight.item() == 1.0, (name, sync)
+            reasons.append(stepper.last_skip_reason)
+            # the flag is cleared by the step: a finite loss afterwards is applied
+            ok_args = [torch.nan_to_num(a.detach()).requires_grad_(a.requires_grad) for a in args]
+            loss, _ = stepper.checked_loss(fn, *ok_args, **kwargs, sync=sync)
+            (loss * weight).backward()
+            assert stepper.step(opt)["actor/step_skipped"] == 0.0, (name, sync)
+        assert "non-finite input" in reasons[0] and "found at the optimizer step" in reasons[1], reasons
+
+
+@pytest.mark.parametrize("script", ["train_nft.py", "train_dppo.py"])
+def test_trainers_log_the_same_metrics_with_device_and_host_loss_metrics(tiny_models, tmp_path, script):
+    """A tiny CPU run (one rank, 2 steps, two micro-batches, two epochs for DPPO so the ratio leaves 1) with
+    --loss_metrics host (a host read per loss call, the old path) and device (the default): every logged actor/*,
+    critic/* and rollout_corr/* value is bit-identical."""
+    from data_prep.make_demo_data import make_demo_data
+    from trainer_runs import run_trainer, scalars
+
+    family = "boogu_image" if script == "train_nft.py" else "qwen_image"
+    data = tmp_path / "data"
+    make_demo_data(data, model=family)
+    model = os.path.join(tiny_models, "boogu_image_base" if family == "boogu_image" else "qwen_image")
+    common = ["--model_path", model, "--train_files", data / "train.parquet", "--device", "cpu", "--rollout_devices",
+              "cpu", "--rollout_threads", "1", "--height", "64", "--width", "64", "--num_inference_steps", "4",
+              "--lora_rank", "4", "--lora_alpha", "8", "--resume", "never", "--save_freq", "100",
+              "--train_batch_size", "2", "--rollout_n", "2", "--micro_batch_size", "2", "--total_training_steps", "2",
+              "--lr", "1e-2"]
+    common += (["--ref_kl_coef", "0.1", "--old_policy_decay_schedule", "linear_to_0_5"] if script == "train_nft.py"
+               else ["--ppo_epochs", "2", "--sde_window_size", "2", "--sde_window_range", "0,3"])
+    logged = {}
+    for mode in ("host", "device"):
+        out = tmp_path / mode
+        run_trainer(script, common + ["--loss_metrics", mode, "--output_dir", out], nproc=1)
+        logged[mode] = {k: v for k, v in scalars(out).items() if k.startswith(("actor/", "critic/", "rollout_corr/"))}
+    assert "actor/grad_norm" in logged["device"] and len(logged["device"]) > 8
+    assert logged["host"] == logged["device"]

@@ -22,7 +22,9 @@ One module per section, read in this order (`import training as T` gives every p
    advantages, validation, the adapter sync to the rollout workers (with its bound-module check).
 8. `preflight.py`: every start-up check that needs no model (flags, image size, every dataset row against the
    rewards, output folder, one judge request), run by `setup_run` before anything loads.
-9. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
+9. `profiling.py`: `step_profiler` (a torch.profiler trace of one step, gzipped) and `profile_table`, the pure
+   per-phase table of device busy / idle time, host reads and top kernels read from such a trace.
+10. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
    so each trainer file holds only its algorithm.
 """
@@ -37,8 +39,10 @@ from .checkpoint import *  # noqa: F401,F403
 from .logs import *  # noqa: F401,F403
 from .step import *  # noqa: F401,F403
 from .preflight import *  # noqa: F401,F403
+from .profiling import *  # noqa: F401,F403
 from .run import *  # noqa: F401,F403
 from .model import _full  # noqa: F401  (tests use it on DTensors)
 
-__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight, run)  # noqa: F405
+__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight,  # noqa: F405
+                               profiling, run)
            for name in module.__all__]

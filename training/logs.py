@@ -77,7 +77,8 @@ class MetricAccumulator:
     """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks.
 
     Tensor values stay on their device until `reduce()` (no host sync per micro-batch for callers that pass
-    tensors; the losses return Python floats already). The rank mean is ONE
+    tensors, e.g. the losses' metrics with ``sync=False``; float and tensor values give the same bits: both are
+    summed in float64 in the same order). The rank mean is ONE
     all_reduce of a float64 vector [means..., key count, key hash]; every rank must have added the same keys (a
     different key set is detected and raised, never silently averaged).
     """
@@ -204,17 +205,19 @@ def perf_metrics(num_images: int, step_time_s: float, num_gpus: int) -> dict[str
 
 @contextlib.contextmanager
 def timer(name: str, timings: dict[str, float], *, cuda_sync: bool = True) -> Iterator[None]:
-    """Add the wall time of the block to `timings["timing_s/<name>"]` (synchronising CUDA first when in use)."""
+    """Add the wall time of the block to `timings["timing_s/<name>"]` (synchronising CUDA first when in use). The
+    block is also a `torch.profiler.record_function("timing_s/<name>")` range: the phases of a profile's table."""
     sync = cuda_sync and torch.cuda.is_available() and torch.cuda.is_initialized()
+    key = f"timing_s/{name}"
     if sync:
         torch.cuda.synchronize()
     start = time.perf_counter()
     try:
-        yield
+        with torch.profiler.record_function(key):
+            yield
+            if sync:  # inside the range: the phase's kernels end inside its window
+                torch.cuda.synchronize()
     finally:
-        if sync:
-            torch.cuda.synchronize()
-        key = f"timing_s/{name}"
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 

@@ -156,17 +156,24 @@ class GradStepper:
     applied_steps: int = 0
     last_skip_reason: str = ""
     _loss_problem: str = field(default="", repr=False)
+    _finite: torch.Tensor | None = field(default=None, repr=False)  # device flag of the sync=False losses
 
-    def checked_loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]], *args: Any,
-                     **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def checked_loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]], *args: Any,
+                     **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         """`loss_fn(*args, **kwargs)` (a `losses` objective). A `losses.NonFiniteLossError` (NaN/inf from the
         numbers; bad arguments still raise) is recorded, and its loss and metrics are returned: the trainer
-        back-propagates it like any other, so every rank runs the same FSDP collectives, and `step` then skips."""
+        back-propagates it like any other, so every rank runs the same FSDP collectives, and `step` then skips.
+        A loss called with ``sync=False`` raises nothing: its `LossMetrics.finite` flag is and-ed on the device
+        and read once, by `step`, with the same outcome (the step skipped)."""
         try:
-            return loss_fn(*args, **kwargs)
+            loss, metrics = loss_fn(*args, **kwargs)
         except losses.NonFiniteLossError as e:
             self._loss_problem = self._loss_problem or str(e).split(";")[0]
             return e.loss, e.metrics
+        finite = getattr(metrics, "finite", None)
+        if finite is not None:
+            self._finite = finite if self._finite is None else self._finite & finite
+        return loss, metrics
 
     def step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Returns {"actor/grad_norm", "actor/lr", "actor/step_skipped", "actor/skipped_steps",
@@ -181,6 +188,10 @@ class GradStepper:
         else:
             grad_norm = 0.0
         reason = ""
+        if self._finite is not None and not bool(self._finite.item()) and not self._loss_problem:
+            self._loss_problem = "loss is not finite (found at the optimizer step: --loss_metrics device; " \
+                                 "--loss_metrics host names the inputs)"
+        self._finite = None
         if _any_rank(bool(self._loss_problem), first):
             reason = f"non-finite loss: {self._loss_problem or 'on another rank'}"
         elif not math.isfinite(grad_norm):

@@ -3,6 +3,7 @@ checkpoint), so each trainer file holds only its algorithm."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -11,10 +12,12 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from models import lora
+from models.base import attention_backend
 
 from .distributed import (cleanup_distributed, collective_timeout_s, get_rank, init_distributed, on_rank0,
                           seed_everything)
 from .preflight import PreflightError, check_flags, run_preflight
+from .profiling import step_profiler
 from .model import ADAPTER_DEFAULT, adapter_params, prepare_transformer
 from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
@@ -111,14 +114,23 @@ class Run:
         together whether a stop was asked for (SIGTERM/SIGINT on any rank, --max_wall_time_s) and, if so, ends the
         run at this step boundary (`_stop`), so all ranks stop at the same step. --max_wall_time_s counts from the
         first step of this process (set-up, model loading and validation before training excluded), so at least
-        one step runs."""
+        one step runs. The loop runs under --attention_backend and, with --profile_step, under the profiler that
+        records that step (`training.step_profiler`, <output_dir>/profile/trainer-rank<r>.json.gz)."""
+        args = self.args
         self.started_at = time.monotonic()
-        if self.start_step >= self.args.total_training_steps and self.rank == 0:
+        if self.start_step >= args.total_training_steps and self.rank == 0:
             print(f"nothing to do: the run is at step {self.start_step}, --total_training_steps is "
-                  f"{self.args.total_training_steps}", flush=True)
-        for step in range(self.start_step + 1, self.args.total_training_steps + 1):
-            self._maybe_stop(step - 1)
-            yield step
+                  f"{args.total_training_steps}", flush=True)
+        profiling = self.start_step < args.profile_step <= args.total_training_steps
+        profiler = step_profiler(os.path.join(args.output_dir, "profile", f"trainer-rank{self.rank}.json.gz"),
+                                 step=args.profile_step, first_step=self.start_step + 1,
+                                 cuda=self.device.type == "cuda") if profiling else contextlib.nullcontext()
+        with attention_backend(args.attention_backend), profiler:
+            for step in range(self.start_step + 1, args.total_training_steps + 1):
+                self._maybe_stop(step - 1)
+                yield step
+                if profiling:
+                    profiler.step()
 
     def _maybe_stop(self, done: int) -> None:
         """Collective (one all_reduce): stop after step `done` if any rank got a signal or the wall time is up."""
@@ -378,7 +390,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  threads_per_worker=args.rollout_threads, cfg_batch=args.cfg_batch,
                                  trainer_device=device.type, sync=args.rollout_sync,
                                  python=args.rollout_python, startup_timeout_s=args.rollout_startup_timeout_s,
-                                 collective_timeout_s=group_timeout_s)
+                                 collective_timeout_s=group_timeout_s, attention_backend=args.attention_backend,
+                                 profile_generate=max(0, args.profile_step - start_step))
     return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,

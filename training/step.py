@@ -19,6 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import losses
 from models import lora
+from models.base import ATTENTION_BACKENDS
 
 from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_main_process, raise_if_any_rank_failed
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, _full, _strip_adapter, adapter_config_dict, adapter_params,
@@ -54,6 +55,10 @@ def add_common_args(parser) -> None:
     g.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
                    help="FSDP2 compute dtype on GPU (master LoRA weights stay fp32); CPU always computes in fp32")
     g.add_argument("--max_sequence_length", type=int, default=512, help="Qwen-Image prompt token budget")
+    g.add_argument("--attention_backend", default="auto", choices=sorted(ATTENTION_BACKENDS),
+                   help="SDPA kernel of the trainer's and the rollout workers' attention (torch.nn.attention."
+                        "sdpa_kernel): 'auto' = torch's choice (unchanged), or only flash / cudnn / efficient / math "
+                        "(an input that backend cannot take raises instead of falling back)")
     g = parser.add_argument_group("data")
     g.add_argument("--train_files", default=os.environ.get("TRAIN_FILES"), help="train.parquet (data_prep/)")
     g.add_argument("--val_files", default=os.environ.get("VAL_FILES"), help="test.parquet for validation")
@@ -156,6 +161,16 @@ def add_common_args(parser) -> None:
                    help="every N training steps, append every judge reply of the step (verbatim, with the row, "
                         "ground truth and reward) to <output_dir>/judge_replies.jsonl; validation's are always "
                         "appended (0 = training steps never)")
+    g.add_argument("--loss_metrics", default="device", choices=["device", "host"],
+                   help="the update's loss metrics: 'device' = kept on the device and read once per optimizer step "
+                        "(the non-finite check too), 'host' = read after every loss call (one host sync each; the "
+                        "old path: same numbers, and a non-finite loss names its inputs)")
+    g.add_argument("--profile_step", type=int, default=0,
+                   help="record a torch.profiler trace of this training step (CPU + CUDA) into "
+                        "<output_dir>/profile/ (each trainer rank) and <output_dir>/rollout_logs/ (each rollout "
+                        "worker's N-th generate request, N = this step - the start step: the step's rollout unless "
+                        "a validation or --rollout_policy_lag 1 sent requests in between); 0 = off. "
+                        "scripts/bench_step.py --profile reads them")
     g.add_argument("--collective_timeout_s", type=float, default=0.0,
                    help="timeout of the process groups (main and per node); 0 = the longest per-phase timeout "
                         "(--rollout_timeout_s, --rollout_startup_timeout_s, a judge request with its retries) + "
