@@ -31,6 +31,7 @@ def smoke(tiny_models, tmp_path_factory):
     return json.loads((out / "bench.json").read_text()), proc.stdout
 
 
+@pytest.mark.slow  # the module fixture `smoke` runs the whole bench_step.py --smoke (about a minute)
 def test_schema_and_ratio_from_the_same_invocation(smoke):
     result, stdout = smoke
     assert result["bench"] == "bench_step" and result["schema_version"] == 1 and result["smoke"] is True
@@ -59,6 +60,7 @@ def test_schema_and_ratio_from_the_same_invocation(smoke):
     assert "qwen_dppo" in stdout and "optimized" in stdout  # the printed table
 
 
+@pytest.mark.slow  # the module fixture `smoke` runs the whole bench_step.py --smoke (about a minute)
 def test_bypass_reproduces_recompute_when_the_gap_is_zero(smoke):
     result, _ = smoke
     runs = result["recipes"]["qwen_dppo"]["runs"]

@@ -14,6 +14,8 @@ from data_prep.make_demo_data import make_demo_data
 from trainer_runs import free_port, run_trainer, scalars
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# whole trainer runs (minutes each on 2 cores): the slow stage (`python3 -m pytest -m slow`), not the default run
+pytestmark = pytest.mark.slow
 SMALL = dict(device="cpu", rollout_devices="cpu", rollout_threads=1, height=64, width=64, num_inference_steps=4,
              val_num_inference_steps=4, lora_rank=4, lora_alpha=8, resume="never", save_freq=100, val_max_samples=2,
              train_batch_size=2, rollout_n=2, micro_batch_size=2, total_training_steps=1)
