@@ -240,7 +240,7 @@ def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch)
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test, whatever tee_console installs
     monkeypatch.setattr(sys, "stderr", sys.stderr)
-    monkeypatch.setattr(logs, "get_rank", lambda: 1)
+    monkeypatch.setattr(logs, "launch_rank", lambda: 1)
     path = T.tee_console(str(tmp_path))
     assert not isinstance(sys.stdout, logs._Tee)  # ranks > 0: stderr only
     print("rank-1 chatter")
@@ -248,7 +248,7 @@ def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch)
     sys.stderr.write("\nRuntimeError: boom\n")
     assert T.tee_console(str(tmp_path)) == path  # idempotent: no second layer
     monkeypatch.setattr(sys, "stderr", sys.__stderr__)
-    monkeypatch.setattr(logs, "get_rank", lambda: 0)
+    monkeypatch.setattr(logs, "launch_rank", lambda: 0)
     T.tee_console(str(tmp_path))
     print("step 1/1 | rank 0 line")
     log = open(path, encoding="utf-8").read().splitlines()
@@ -263,7 +263,7 @@ def test_help_shows_every_default(script, capsys):
     with pytest.raises(SystemExit):
         module.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--lr LR AdamW peak learning rate (see --lr_scheduler) (default: 1e-06)" in text
+    assert "--lr LR, --learning_rate LR AdamW peak learning rate (see --lr_scheduler) (default: 1e-06)" in text
     assert "--lora_rank LORA_RANK default: 64" in text  # a flag without help text still shows its default
     assert "--lr_scheduler {constant,linear,cosine}" in text and "(default: constant)" in text
     assert ("--val_adapter {old,default}" in text) == (script == "train_nft")

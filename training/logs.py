@@ -24,13 +24,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .distributed import get_rank, get_world_size, is_main_process
+from .distributed import get_rank, get_world_size, is_main_process, launch_rank
 from .checkpoint import library_versions
 
 __all__ = [
     "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "perf_metrics", "timer",
     "image_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress", "git_commit",
-    "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "LOG_FILE", "HelpFormatter",
+    "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "log_only", "LOG_FILE", "HelpFormatter",
     "PEAK_TFLOPS_ENV", "device_peak_flops", "rollout_device_count", "transformer_flops", "phase_perf_metrics"
 ]
 
@@ -400,13 +400,14 @@ def tee_console(output_dir: str) -> str:
     """Mirror the console into `<output_dir>/train.log` (appended, so a resumed run continues the same file): rank
     0's stdout and stderr, and every other rank's stderr with a "[rank N] " prefix (tracebacks and warnings of
     every rank land there). Python-level writes only (C/C++ libraries writing to the fds directly are not
-    captured). Idempotent; returns the log path."""
+    captured). Works before the process group exists (the rank from torchrun's environment). Idempotent; returns
+    the log path."""
     path = os.path.join(output_dir, LOG_FILE)
     if isinstance(sys.stderr, _Tee):
         return path
     os.makedirs(output_dir, exist_ok=True)
     log = open(path, "a", encoding="utf-8")
-    rank = get_rank()
+    rank = launch_rank()
     prefix = "" if rank == 0 else f"[rank {rank}] "
     tees = [_Tee(sys.stderr, log, prefix)]
     sys.stderr = tees[0]
@@ -414,10 +415,22 @@ def tee_console(output_dir: str) -> str:
         tees.append(_Tee(sys.stdout, log, ""))
         sys.stdout = tees[1]
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        log.write(f"==== {now} {' '.join(sys.argv)} ({get_world_size()} ranks)\n")
+        world = get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        log.write(f"==== {now} {' '.join(sys.argv)} ({world} ranks)\n")
         log.flush()
     atexit.register(lambda: [t.close_log() for t in tees])
     return path
+
+
+def log_only(text: str) -> str | None:
+    """Append `text` to the console log file (`tee_console`), with this rank's line prefix, without showing it on
+    the console. Returns the log path, or None when no log file is open yet (nothing is written then)."""
+    tee = sys.stderr
+    if not isinstance(tee, _Tee):
+        return None
+    tee.log.write("".join(f"{tee.prefix}{line}\n" for line in text.rstrip("\n").split("\n")))
+    tee.log.flush()
+    return tee.log.name
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

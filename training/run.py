@@ -309,6 +309,10 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     from rollout import DistributedRollout, check_rollout_python
 
     config = vars(args)
+    try:  # first, so that the traceback of any start-up error goes to <output_dir>/train.log (training.cli.run_cli)
+        tee_console(args.output_dir)
+    except OSError:
+        pass  # an --output_dir that cannot be written: preflight's check_output_dir names it and the fix
     # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
     # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
     check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
