@@ -139,7 +139,7 @@ def test_readme_after_training_commands(nft_run, tmp_path):
     assert Image.open(samples / "grid.png").size == (4 * 64, 2 * (64 + 4 * 12 + 4))  # both ranks' 8 images
     for i in range(4):
         a = np.asarray(Image.open(samples / f"{i:05d}.png"))
-        b = np.asarray(Image.open(out / "eval" / "images" / "2" / f"{i:05d}.png"))
+        b = np.asarray(Image.open(out / "eval" / "images" / "2_step_00000001-default" / f"{i:05d}.png"))
         assert np.array_equal(a, b), i
     # compare_runs lists the run's last validation value
     assert str(out) in outputs[2] and KEY in outputs[2] and f"{trained[0]:.4f}" in outputs[2]

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -251,8 +252,11 @@ def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch)
     monkeypatch.setattr(logs, "launch_rank", lambda: 0)
     T.tee_console(str(tmp_path))
     print("step 1/1 | rank 0 line")
-    log = open(path, encoding="utf-8").read().splitlines()
-    assert "rank-1 chatter" not in "\n".join(log)
+    lines = open(path, encoding="utf-8").read().splitlines()
+    assert "rank-1 chatter" not in "\n".join(lines)
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ "  # every line starts with its UTC time
+    assert all(re.match(stamp, line) for line in lines), lines
+    log = [re.sub("^" + stamp, "", line) for line in lines]
     assert log[:3] == ["[rank 1] Traceback (most recent call last):", "[rank 1]   boom", "[rank 1] RuntimeError: boom"]
     assert log[3].startswith("==== ") and log[4] == "step 1/1 | rank 0 line"
 

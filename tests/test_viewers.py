@@ -87,3 +87,42 @@ def test_tensorboard_server_starts_and_serves_the_runs_tags(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_compare_runs_prefix_takes_one_value_and_repeats(tmp_path, capsys):
+    import compare_runs
+
+    write_run_logs(str(tmp_path / "run"))
+    compare_runs.main(["--prefix", "critic/rewards", str(tmp_path / "run")])  # the run folder is not a prefix
+    out = capsys.readouterr().out
+    assert "critic/rewards/mean" in out and "actor/lr" not in out and f"{1.0:.4f}" in out
+    compare_runs.main([str(tmp_path / "run"), "--prefix", "critic/", "--prefix", "actor/"])
+    out = capsys.readouterr().out
+    assert "critic/rewards/mean" in out and "actor/lr" in out
+
+
+def test_grid_captions_wrap_at_words_and_end_with_an_ellipsis():
+    from training.logs import _wrap
+
+    text = "r=0.123 | a photo of a lighthouse at dusk with seagulls over the rocky shore and a red boat"
+    lines = _wrap(text, 64 * 2, 3)  # 21 characters per line, 3 lines
+    assert len(lines) == 3 and lines[-1].endswith(" ...")
+    words = set(text.split())
+    assert all(word in words for line in lines for word in line.removesuffix(" ...").split()), lines
+
+
+def test_evaluate_names_grids_and_image_folders_by_adapter():
+    import evaluate
+
+    assert evaluate.adapter_label(0, "base") == "0_base"
+    assert evaluate.adapter_label(2, "outputs/run/checkpoints/step_00000300:default") == "2_step_00000300-default"
+    assert evaluate.adapter_label(1, "my loras/ocr v2/") == "1_ocr_v2"
+
+
+def test_the_end_of_run_summary_names_steps_time_validation_checkpoint_and_logs():
+    from training.logs import run_summary
+
+    line = run_summary(3, 10, 125.0, {"val-core/ocr/reward/mean@1": 0.51234, "val/other": 1.0},
+                       "out/checkpoints/step_00000010", "out")
+    assert line == ("done: steps 3-10 in 0:02:05 (15.62 s/step) | last validation val-core/ocr/reward/mean@1 0.5123 "
+                    "| checkpoint out/checkpoints/step_00000010 | logs out/tensorboard and out/train.log")

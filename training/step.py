@@ -732,8 +732,8 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
                    for k, s in enumerate(outcome.samples) if "ocr/response" in s]
         append_judge_log(args.output_dir, replies)  # every validated reply, verbatim (the grid shows the first)
         if len(outcome.images):
-            captions = [f"r={s['reward']:.3f}" + (f" | judge: {s['ocr/response'][:60]!r}" if "ocr/response" in s
-                                                  else "") + f" | {s['prompt'][:100]}"
+            captions = [f"r={s['reward']:.3f}" + (f" | judge: {s['ocr/response']!r}" if "ocr/response" in s
+                                                  else "") + f" | {s['prompt']}"  # image_grid wraps at words
                         for s in outcome.samples[:len(outcome.images)]]
             logger.log_image("val/samples", image_grid(outcome.images, captions), step)
         core = {key: v for key, v in outcome.metrics.items() if key.startswith("val-core/")}
