@@ -382,7 +382,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
             print(f"resumed from {plan.path} at step {start_step}", flush=True)
 
     if rank == 0:  # the workers load the whole pipeline: this can take a while, say so
-        print(f"starting the rollout workers ({args.rollout_engine} engine on {args.rollout_devices}) on each node",
+        print(f"rollout: starting the workers of each node ({args.rollout_engine} engine on {args.rollout_devices})",
               flush=True)
     started = time.monotonic()
     rollout = DistributedRollout(model_path, args.rollout_devices.split(","), engine=args.rollout_engine,
@@ -394,7 +394,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  python=args.rollout_python, startup_timeout_s=args.rollout_startup_timeout_s,
                                  collective_timeout_s=group_timeout_s)
     if rank == 0:
-        print(f"rollout workers ready ({time.monotonic() - started:.1f} s)", flush=True)
+        print(f"rollout: the workers are ready ({time.monotonic() - started:.1f} s)", flush=True)
     return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
