@@ -1,8 +1,9 @@
 """Common mistakes through the real trainer CLI under torchrun (2 ranks), counted in lines: a misspelt flag, an
-undividable batch, a bad dataset row and a refused resume each print ONE line of the trainer's own (rank 0 only,
-naming the fix; "did you mean" for the flag), before torchrun's ChildFailedError summary, which is torchrun's and
-follows it; the tracebacks of every rank go to <output_dir>/train.log, not to the console. Unit checks of the
-helpers (training/cli.py) run in the default suite."""
+undividable batch and a bad dataset row each print ONE line of the trainer's own (rank 0 only, naming the fix;
+"did you mean" for the flag), before torchrun's ChildFailedError summary, which is torchrun's and follows it; the
+tracebacks of every rank go to <output_dir>/train.log, not to the console. The refused resume is counted the same
+way in tests/test_trainers.py::test_exact_resume_and_config_refusal (it needs a checkpoint that test makes). Unit
+checks of the helpers (training/cli.py) run in the default suite."""
 
 from __future__ import annotations
 
@@ -17,29 +18,7 @@ import pytest
 import train_dppo
 import training as T
 from test_trainers import cli, demo_data, run_trainer  # noqa: F401 (fixture)
-
-# torchrun's own lines start with a glog-style header ("E1202 15:49:33.143000 ...") or its launcher traceback
-TORCHRUN_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")
-
-
-def trainer_lines(proc) -> list[str]:
-    """The trainer's console lines (stdout, then stderr up to torchrun's first own line)."""
-    err = proc.stderr.splitlines()
-    first_torchrun = next((i for i, line in enumerate(err) if TORCHRUN_LINE.match(line)), len(err))
-    return [line for line in proc.stdout.splitlines() + err[:first_torchrun] if line.strip()]
-
-
-def error_line(proc, output_dir) -> str:
-    """The one error line of a failed 2-rank run; checks the tracebacks went to the log file, not the console."""
-    assert proc.returncode != 0
-    lines = trainer_lines(proc)
-    errors = [line for line in lines if "error:" in line]
-    assert len(errors) == 1, lines
-    assert not any("Traceback" in line for line in lines), lines
-    log = open(os.path.join(output_dir, T.LOG_FILE), encoding="utf-8").read()
-    assert "Traceback (most recent call last)" in log and "[rank 1] Traceback" in log, log[-3000:]
-    return errors[0]
-
+from trainer_runs import error_line, trainer_lines
 
 @pytest.fixture
 def flags(demo_data, tiny_models, tmp_path):  # noqa: F811
@@ -130,14 +109,3 @@ def test_three_mistakes_under_torchrun_print_one_line_each(flags, tmp_path):
     line = error_line(run_trainer("train_dppo.py", cli(**{**flags, "train_files": tmp_path / "bad.parquet"}),
                                   expect_ok=False), flags["output_dir"])
     assert "row 0, column 'data_source': 'aesthetic' names no known reward" in line, line
-
-
-@pytest.mark.slow
-def test_a_refused_resume_under_torchrun_is_one_line_naming_the_fix(flags):
-    run_trainer("train_dppo.py", cli(**flags, lr=1e-3, save_freq=1))
-    proc = run_trainer("train_dppo.py", cli(**{**flags, "resume": "auto", "total_training_steps": 2}, lr=2e-3,
-                                            save_freq=1), expect_ok=False)
-    line = error_line(proc, flags["output_dir"])
-    assert line.startswith("error: CheckpointError: refusing to resume "), line
-    assert "lr: checkpoint=0.001 now=0.002" in line and "--resume_force" in line and "--resume never" in line
-    assert trainer_lines(proc)[-1] == line  # the last line the trainer printed; only start-up lines before it

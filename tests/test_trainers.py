@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data_prep.make_demo_data import make_demo_data
-from trainer_runs import free_port, run_trainer, scalars
+from trainer_runs import error_line, free_port, run_trainer, scalars, trainer_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # whole trainer runs (minutes each on 2 cores): the slow stage (`python3 -m pytest -m slow`), not the default run
@@ -156,7 +156,11 @@ def test_exact_resume_and_config_refusal(demo_data, tiny_models, tmp_path):
     proc = run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, lr_warmup_steps=3,
                                                   total_training_steps=4, resume="auto", rollout_n=4,
                                                   output_dir=resumed), expect_ok=False)
-    assert proc.returncode != 0 and "rollout_n" in proc.stderr
+    # the refusal is one line (rank 0's; both ranks' tracebacks in train.log) naming the flag and the fixes
+    line = error_line(proc, resumed)
+    assert line.startswith("error: CheckpointError: refusing to resume "), line
+    assert "rollout_n: checkpoint=2 now=4" in line and "--resume_force" in line and "--resume never" in line
+    assert trainer_lines(proc)[-1] == line  # the last line the trainer printed: only start-up lines before it
 
 
 def test_guided_rows_without_negative_prompt_fail_closed(demo_data, tiny_models, tmp_path):
