@@ -10,6 +10,11 @@
 # GENRM_PORT and GENRM_PORT+1), and the trainer spreads its requests over them (--genrm_url, round-robin, a failing
 # replica retried on another). On several nodes each node starts its own replicas and scores with them.
 
+if [ -n "${NPROC:-}" ]; then  # the recipes' earlier name for it: refuse rather than silently ignore it
+  echo "recipe: NPROC is now NPROC_PER_NODE (trainer GPUs per node): set NPROC_PER_NODE=$NPROC instead" >&2
+  exit 2
+fi
+
 # flowrl_world: trainer processes in the run
 flowrl_world() {
   echo $(( ${NPROC_PER_NODE:-1} * ${NNODES:-1} ))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -43,6 +44,19 @@ def calls(env) -> list[dict]:
 
 def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
+
+
+def two_free_ports() -> int:
+    """A port P such that P and P + 1 are both free on 127.0.0.1 now (the two judge replicas' ports)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports found")
 
 
 def run(script: str, env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -91,11 +105,17 @@ def test_an_undividable_global_batch_stops_the_recipe_with_a_value_that_works(re
         "TRAIN_BATCH=24 or TRAIN_BATCH=30")
 
 
+def test_the_old_nproc_variable_is_refused_not_ignored(recorder):
+    proc = run("scripts/run_qwen_image_ocr_lora.sh", dict(recorder, NPROC="2", GENRM_URLS="http://judge:8000"))
+    assert proc.returncode == 2 and "NPROC is now NPROC_PER_NODE" in proc.stderr
+    assert not os.path.exists(recorder["RECORD"])
+
+
 def test_judge_replicas_one_per_tp_gpus_reach_the_trainer_and_stop_at_exit(recorder, tmp_path):
     fake = tmp_path / "vllm"
     fake.write_text(FAKE_VLLM.format(python=sys.executable))
     fake.chmod(0o755)
-    port = free_port()  # and port + 1 for the second replica
+    port = two_free_ports()
     out = tmp_path / "run"
     env = dict(recorder, VLLM_BIN=str(fake), FAKE_MODE="ok", NPROC_PER_NODE="2", GENRM_GPUS="4,5,6,7", GENRM_TP="2",
                GENRM_PORT=str(port), OUTPUT_DIR=str(out))
