@@ -40,6 +40,7 @@ import concurrent.futures
 import hashlib
 import http.client
 import io
+import itertools
 import json
 import math
 import multiprocessing
@@ -262,7 +263,11 @@ class GenRMHttpReader:
     deadlines, HTTP 408/429/5xx and malformed replies are retried `max_retries` times with exponential backoff
     (`backoff_s`, doubling), so one request takes at most `request_budget_s()`; other HTTP errors (400, 404, ...)
     are not retried. When a request still fails, the whole batch raises `GenRMServerError` naming the URL, the
-    image and the last error: a failed judge never becomes a zero reward. An empty or whitespace `content` is a
+    image and the last error: a failed judge never becomes a zero reward.
+
+    `url` may list several judge replicas, comma-separated (`--genrm_url` repeated or `URL1,URL2`): requests start
+    on the replicas in turn (round-robin), and each retry of a request goes to the next replica, so one replica
+    that is down or failing costs a retry, not the batch. An empty or whitespace `content` is a
     reply (an empty transcription); a reply without a string `content` is not, and is an error.
     """
 
@@ -273,12 +278,9 @@ class GenRMHttpReader:
             raise ValueError(f"GenRM concurrency must be >= 1, got {concurrency}")
         if not timeout_s > 0:
             raise ValueError(f"GenRM timeout must be > 0 s, got {timeout_s}")
-        self.url = chat_completions_url(url)
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"GenRM URL {url!r} is not http(s)://HOST[:PORT][/v1]")
-        self._scheme, self._host, self._port = parts.scheme, parts.hostname, parts.port
-        self._path = parts.path + (f"?{parts.query}" if parts.query else "")
+        self.endpoints = [_endpoint(u) for u in split_genrm_urls(url)]
+        self.url = ", ".join(e.url for e in self.endpoints)  # what the error messages name
+        self._turn = itertools.count()  # round-robin over the replicas (next() is atomic under the GIL)
         self.model = model
         self.sampling = sampling
         self.concurrency = concurrency
@@ -304,15 +306,15 @@ class GenRMHttpReader:
             body["seed"] = self.sampling.seed
         return body
 
-    def _post_once(self, payload: bytes) -> str:
-        """One attempt, all of it within `timeout_s` of wall clock; returns the reply's `content`."""
+    def _post_once(self, payload: bytes, endpoint: "_Endpoint") -> str:
+        """One attempt to `endpoint`, all of it within `timeout_s` of wall clock; returns the reply's `content`."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         deadline = time.monotonic() + self.timeout_s
         # http.client never reads proxy settings: the judge is a cluster-internal server, reached directly
-        connection_class = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-        conn = connection_class(self._host, self._port, timeout=self.timeout_s)
+        connection_class = http.client.HTTPSConnection if endpoint.scheme == "https" else http.client.HTTPConnection
+        conn = connection_class(endpoint.host, endpoint.port, timeout=self.timeout_s)
         expired = threading.Event()
         held: list[socket.socket] = []  # the connected socket (http.client forgets it on Connection: close)
 
@@ -332,7 +334,7 @@ class GenRMHttpReader:
             held.append(conn.sock)
             if expired.is_set():
                 cut()
-            conn.request("POST", self._path, body=payload, headers=headers)
+            conn.request("POST", endpoint.path, body=payload, headers=headers)
             resp = conn.getresponse()
             chunks = []
             while True:
@@ -367,19 +369,23 @@ class GenRMHttpReader:
     def _transcribe_one(self, image: Image.Image) -> str:
         payload = json.dumps(self.request_body(image)).encode("utf-8")
         last_error: BaseException | None = None
+        first = next(self._turn)
         for attempt in range(self.max_retries + 1):
             if attempt > 0:
                 time.sleep(self.backoff_s * (2 ** (attempt - 1)))
+            endpoint = self.endpoints[(first + attempt) % len(self.endpoints)]  # a retry goes to the next replica
             try:
-                return self._post_once(payload)
+                return self._post_once(payload, endpoint)
             except _HttpStatus as exc:
                 last_error = exc
                 if exc.code not in _RETRY_STATUS:
                     raise GenRMServerError(
-                        f"GenRM server {self.url} rejected the request (not retried): {exc}") from exc
+                        f"GenRM server {endpoint.url} rejected the request (not retried): {exc}") from exc
             except (OSError, http.client.HTTPException, _DeadlineExceeded, _MalformedReply) as exc:
                 last_error = exc
         what = "its reply is not a transcription: " if isinstance(last_error, _MalformedReply) else ""
+        if len(self.endpoints) > 1:
+            what = f"(the last from {endpoint.url}) " + what
         raise GenRMServerError(
             f"GenRM server {self.url} failed {self.max_retries + 1} attempt(s) (timeout {self.timeout_s:g}s "
             f"each, a deadline over the whole reply): {what}{last_error}. Check that the server is up "
@@ -432,6 +438,48 @@ class _HttpStatus(RuntimeError):
     def __init__(self, code: int, reason: str, detail: bytes):
         super().__init__(f"HTTP {code} {reason}: {detail!r}")
         self.code = code
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """One judge replica: its chat-completions URL and the parts http.client needs."""
+
+    url: str
+    scheme: str
+    host: str
+    port: int | None
+    path: str
+
+
+class _GivenUrls(str):
+    """A `--genrm_url` value given on the command line (a plain `str` is still the default)."""
+
+
+class _JudgeUrls(argparse.Action):
+    """`--genrm_url URL` repeated (and/or comma-separated) -> one comma-separated string of judge replicas; the
+    first use replaces the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest, None)
+        urls = [current, values] if isinstance(current, _GivenUrls) else [values]
+        setattr(namespace, self.dest, _GivenUrls(",".join(urls)))
+
+
+def split_genrm_urls(spec: str) -> list[str]:
+    """The judge replicas of a `--genrm_url` value: comma-separated URLs (one or more), blanks refused."""
+    urls = [u.strip() for u in spec.split(",")]
+    if not spec.strip() or any(not u for u in urls):
+        raise ValueError(f"--genrm_url {spec!r}: give one URL, or several separated by commas (judge replicas)")
+    return urls
+
+
+def _endpoint(url: str) -> _Endpoint:
+    full = chat_completions_url(url)
+    parts = urllib.parse.urlsplit(full)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"GenRM URL {url!r} is not http(s)://HOST[:PORT][/v1]")
+    return _Endpoint(full, parts.scheme, parts.hostname, parts.port,
+                     parts.path + (f"?{parts.query}" if parts.query else ""))
 
 
 def chat_completions_url(url: str) -> str:
@@ -886,7 +934,7 @@ class RewardConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
         return cls(
-            ocr_backend=args.ocr_backend, genrm_url=args.genrm_url, genrm_model=args.genrm_model,
+            ocr_backend=args.ocr_backend, genrm_url=str(args.genrm_url), genrm_model=args.genrm_model,
             genrm_model_path=args.genrm_model_path, genrm_device=args.genrm_device,
             genrm_batch_size=args.genrm_batch_size, genrm_concurrency=args.genrm_concurrency,
             genrm_timeout_s=args.genrm_timeout_s, genrm_max_retries=args.genrm_max_retries,
@@ -941,8 +989,10 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ocr_backend", choices=OCR_BACKENDS, default="http",
                    help="reader for data_source 'ocr': http = OpenAI-compatible GenRM server (vllm serve), "
                         "local = Qwen3-VL-Instruct with transformers in this process, rapidocr = CPU OCR engine")
-    g.add_argument("--genrm_url", default="http://127.0.0.1:8000",
-                   help="GenRM server base URL (http backend); a bearer key is read from $GENRM_API_KEY if set")
+    g.add_argument("--genrm_url", default="http://127.0.0.1:8000", action=_JudgeUrls,
+                   help="GenRM server base URL (http backend); repeat it (or separate URLs by commas) for judge "
+                        "replicas: requests go round-robin, a failing replica's retry goes to the next; a bearer "
+                        "key is read from $GENRM_API_KEY if set")
     g.add_argument("--genrm_model", default="Qwen/Qwen3-VL-8B-Instruct",
                    help="'model' field of each request (the name the server serves)")
     g.add_argument("--genrm_model_path", default=None,

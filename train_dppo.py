@@ -34,7 +34,7 @@ import training as T
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=T.HelpFormatter)
+    parser = T.ArgumentParser(description=__doc__)
     T.add_common_args(parser)
     g = parser.add_argument_group("Flow-DPPO / Flow-GRPO")
     g.add_argument("--loss", default="flow_dppo", choices=["flow_dppo", "flow_grpo"])
@@ -191,4 +191,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    T.run_cli(main)  # one line per failure on the console, the traceback in <output_dir>/train.log

@@ -34,7 +34,7 @@ from models import lora
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=T.HelpFormatter)
+    parser = T.ArgumentParser(description=__doc__)
     T.add_common_args(parser)
     g = parser.add_argument_group("DiffusionNFT")
     g.add_argument("--mix_beta", type=float, default=0.5, help="β of the implicit policies v± (> 0)")
@@ -173,4 +173,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    T.run_cli(main)  # one line per failure on the console, the traceback in <output_dir>/train.log

@@ -174,6 +174,12 @@ def resolve_guidance(family: str, guidance_scale: float | None, true_cfg_scale: 
     return 4.0 if values[own] is None else float(values[own])
 
 
+def nearest_multiples(value: int, k: int) -> tuple[int, int]:
+    """The multiples of `k` nearest to `value` from below and above (the lower one is never 0: then both are k)."""
+    lo, hi = (value // k) * k, (value // k + 1) * k
+    return (lo or hi), hi
+
+
 def check_image_size(family: str, height: int, width: int, vae_factor: int, max_side: int | None = None) -> None:
     """Raise ValueError naming the fix unless height and width are positive multiples of vae_factor x 2 (the VAE
     factor times the 2x2 patch of both families' transformers), and at most `max_side` when given."""
@@ -182,10 +188,10 @@ def check_image_size(family: str, height: int, width: int, vae_factor: int, max_
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
         if v % m != 0:
-            lo, hi = (v // m) * m, (v // m + 1) * m
+            lo, hi = nearest_multiples(v, m)
             raise ValueError(
                 f"{family}: {name}={v} is not a multiple of {m} (VAE factor {vae_factor} x 2x2 patch); use "
-                f"{lo or hi} or {hi}"
+                f"{lo} or {hi}"
             )
         if max_side is not None and v > max_side:
             raise ValueError(f"{family}: {name}={v} exceeds the model's limit of {max_side}")

@@ -3,7 +3,7 @@
 the best value and the step it was reached at, plus the run's last step and wall time.
 
     python3 scripts/compare_runs.py outputs/*                                # every val-core/* metric
-    python3 scripts/compare_runs.py outputs/nft outputs/dppo --prefix val-core/ critic/rewards/mean
+    python3 scripts/compare_runs.py outputs/nft outputs/dppo --prefix val-core/ --prefix critic/rewards/mean
 
 A run is a trainer's --output_dir (it holds tensorboard/); other folders are skipped with a note on stderr.
 "Best" is the maximum (rewards: higher is better). Steps are the trainers' global steps; the time is the span
@@ -45,9 +45,11 @@ def summarize(scalars: dict[str, list[tuple[int, float, float]]], prefixes: list
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories (trainers' --output_dir)")
-    parser.add_argument("--prefix", nargs="+", default=["val-core/"],
-                        help="metric tags to show: any tag starting with one of these (default: val-core/)")
+    parser.add_argument("--prefix", action="append", default=None,
+                        help="metric tags to show: any tag starting with this; repeat it for several (default: "
+                             "val-core/)")
     args = parser.parse_args(argv)
+    args.prefix = args.prefix or ["val-core/"]
     rows = []
     for run in args.runs:
         if not os.path.isdir(os.path.join(run, "tensorboard")):

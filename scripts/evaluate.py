@@ -16,7 +16,8 @@ in this process on this rank's device; `torchrun` splits the prompts over the ra
 
 Writes to --output_dir (default <run_dir>/eval): metrics.json (every adapter's validation metrics), samples.jsonl
 (one line per adapter and prompt: index, data_source, ground_truth, prompt, seed, reward, reward extras),
-grid_<k>.png (the first --num_val_images samples of adapter k) and, with --save_images, images/<k>/<index>.png.
+grid_<k>_<adapter>.png (the first --num_val_images samples of the k-th adapter, e.g. grid_0_base.png,
+grid_2_step_00000300-default.png) and, with --save_images, images/<k>_<adapter>/<index>.png.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--adapters", nargs="+", required=True,
                    help="'base', PEFT folders and/or CHECKPOINT:default|old, scored in this order")
     g.add_argument("--output_dir", default=None, help="default: <run_dir>/eval (required without --run_dir)")
-    g.add_argument("--save_images", action="store_true", help="also write every sample as images/<k>/<index>.png")
+    g.add_argument("--save_images", action="store_true",
+                   help="also write every sample as images/<k>_<adapter>/<index>.png")
     # qwen_true_cfg_default is no flag: a trainer's own default for an unset --true_cfg_scale (train_nft.py: 1.0)
     T.set_defaults_from_run(parser, argv, {d: d for d in (*shown, "qwen_true_cfg_default") if d not in NOT_FROM_RUN})
     args = parser.parse_args(argv)
@@ -74,6 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error("--output_dir is required without --run_dir")
         args.output_dir = os.path.join(args.run_dir, "eval")
     return args
+
+
+def adapter_label(k: int, spec: str) -> str:
+    """The file-name label of the k-th adapter: `<k>_<name>`, the name being `base`, a PEFT folder's name or a
+    checkpoint's `step_XXXXXXXX-<adapter>` (e.g. `2_step_00000300-default`); other characters become `_`."""
+    name = os.path.basename(spec.rstrip("/")).replace(":", "-")
+    return f"{k}_" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def lora_signature(adapter_dir: str) -> tuple:
@@ -132,7 +142,7 @@ def main(argv=None) -> None:
             signature = lora_signature(path)
             outcome = T.run_validation(engine, scorer, dataset, args, family=engine.model.family, scale=scale)
         if args.save_images:  # each rank writes its own samples
-            folder = os.path.join(args.output_dir, "images", str(k))
+            folder = os.path.join(args.output_dir, "images", adapter_label(k, spec))
             os.makedirs(folder, exist_ok=True)
             for record, image in zip(outcome.samples[outcome.first:], outcome.local_images):
                 Image.fromarray(image.permute(1, 2, 0).numpy()).save(os.path.join(folder, f"{record['index']:05d}.png"))
@@ -158,8 +168,9 @@ def write_report(args, results: list[dict]) -> None:
                   f, indent=2, default=str)
     for k, r in enumerate(results):
         if len(r["images"]):
-            captions = [f"r={s['reward']:.3f} | {s['prompt'][:100]}" for s in r["samples"][:len(r["images"])]]
-            T.image_grid(r["images"], captions).save(os.path.join(args.output_dir, f"grid_{k}.png"))
+            captions = [f"r={s['reward']:.3f} | {s['prompt']}" for s in r["samples"][:len(r["images"])]]
+            grid = f"grid_{adapter_label(k, r['adapter'])}.png"
+            T.image_grid(r["images"], captions).save(os.path.join(args.output_dir, grid))
     width = max(len("adapter"), *(len(r["adapter"]) for r in results))
     print(f"{'adapter':<{width}}  {'bound':>5}  {'metric':<48} {'n':>5} {'mean':>10} {'std':>10}")
     for r in results:

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Boogu-Image-0.1-Edit (TI2I), DiffusionNFT, PickScore on the edit instruction. One node, 4 GPUs:
 #   cuda:0-3  trainer ranks (torchrun, FSDP2 + LoRA; PickScore runs in each trainer process), each also running a
-#             native rollout worker on its GPU (--rollout_devices colocated; edit requests carry the reference)  NPROC=4
-# The vllm-omni rollout keeps the reserved layout: ROLLOUT_ENGINE=vllm_omni (NPROC=3, ROLLOUT_DEVICES=cuda:3).
+#             native rollout worker on its GPU (--rollout_devices colocated; edit requests carry the reference)
+#             NPROC_PER_NODE=4
+# The vllm-omni rollout keeps the reserved layout: ROLLOUT_ENGINE=vllm_omni (NPROC_PER_NODE=3, ROLLOUT_DEVICES=cuda:3).
+# Scale: NPROC_PER_NODE trainer GPUs per node, NNODES nodes (run this script on every node with its NODE_RANK,
+# MASTER_ADDR = node 0, MASTER_PORT), TORCHRUN_ARGS for torchrun itself; the global batch is PROMPTS_PER_GPU x
+# trainer GPUs (TRAIN_BATCH / MINI_BATCH set it directly). See scripts/launch.sh and scripts/recipe_lib.sh.
 # Recipe: the T2I recipe's objective (guidance 4.0 in rollout and training forwards, --train_cfg rollout; see
 # run_boogu_image_ocr_lora.sh), activation checkpointing of every block (edit sequences carry the reference tokens
-# too), frozen base weights in bf16. Batch: 24 prompts x 16, mini 12; micro 8 per GPU (12/4 x 16 = 48 samples per
-# rank and mini-batch with 4 ranks, 64 with 3).
+# too), frozen base weights in bf16. Batch: 6 prompts x 16 per GPU (24 on 4 GPUs), mini 3 per GPU (48 samples per
+# rank and mini-batch), micro 8; the vllm-omni layout keeps 24 / 12 on 3 GPUs (8 / 4 per GPU).
 # No reward server: PickScore (open_clip ViT-H-14 with the PickScore_v1 weights) is local.
 # Data: python data_prep/boogu_image_edit_ocr.py --input_dir ~/data/ocr_edit \
 #         --output_dir ~/data/ocr/boogu_image_edit_pickscore --image_size 512 --reward pickscore
@@ -18,22 +22,28 @@ REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-yuvalkirstain/PickScore_v1}
 PICKSCORE_PROCESSOR_PATH=${PICKSCORE_PROCESSOR_PATH:-laion/CLIP-ViT-H-14-laion2B-s32B-b79K}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/ocr/boogu_image_edit_pickscore/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/ocr/boogu_image_edit_pickscore/test.parquet}
+source scripts/recipe_lib.sh
 ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-native}
 if [ "$ROLLOUT_ENGINE" = native ]; then
-  NPROC=${NPROC:-4}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-colocated}
+  export NPROC_PER_NODE=${NPROC_PER_NODE:-4}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-colocated}
+  PROMPTS_PER_GPU=${PROMPTS_PER_GPU:-6}; MINI_PROMPTS_PER_GPU=${MINI_PROMPTS_PER_GPU:-3}
 else
-  NPROC=${NPROC:-3}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:3}
+  export NPROC_PER_NODE=${NPROC_PER_NODE:-3}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:3}
+  PROMPTS_PER_GPU=${PROMPTS_PER_GPU:-8}; MINI_PROMPTS_PER_GPU=${MINI_PROMPTS_PER_GPU:-4}
 fi
+TRAIN_BATCH=$(flowrl_global_batch TRAIN_BATCH "$PROMPTS_PER_GPU" "${TRAIN_BATCH:-}")
+MINI_BATCH=$(flowrl_global_batch MINI_BATCH "$MINI_PROMPTS_PER_GPU" "${MINI_BATCH:-}")
+MICRO_BATCH=${MICRO_BATCH:-8}
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/boogu_image_edit_nft_lora}
 resolve() { python3 -c "import sys; from models import resolve_model_path; print(resolve_model_path(sys.argv[1]))" "$1"; }
 # resolved before torchrun, so that a failed download stops the script (set -e does not see a $(...) inside arguments)
 PICKSCORE=$(resolve "$REWARD_MODEL_PATH")
 PICKSCORE_PROCESSOR=$(resolve "$PICKSCORE_PROCESSOR_PATH")
 
-torchrun --nproc_per_node="$NPROC" train_nft.py \
+bash scripts/launch.sh train_nft.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
   --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \
-  --train_batch_size 24 --rollout_n 16 --ppo_mini_batch_size 12 --micro_batch_size 8 \
+  --train_batch_size "$TRAIN_BATCH" --rollout_n 16 --ppo_mini_batch_size "$MINI_BATCH" --micro_batch_size "$MICRO_BATCH" \
   --lr 1e-4 --weight_decay 1e-4 --lora_rank 64 --lora_alpha 128 \
   --height 512 --width 512 --num_inference_steps 10 --val_num_inference_steps 40 --max_sequence_length 512 \
   --guidance_scale 4.0 --train_cfg rollout \

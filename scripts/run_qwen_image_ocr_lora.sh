@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Qwen-Image, Flow-DPPO, OCR scored by the Qwen3-VL-8B-Instruct GenRM. One node, 4 GPUs:
 #   cuda:0,1,2  trainer ranks (torchrun, FSDP2 + LoRA), each also running a native rollout worker (policy) on its
-#               own GPU (--rollout_devices colocated)                    NPROC=3
-#   cuda:3      GenRM server (vllm serve; the judge keeps its own GPU)   GENRM_GPUS=3
-# The vllm-omni rollout keeps the reserved layout and verl-omni's exact batch: ROLLOUT_ENGINE=vllm_omni (NPROC=2,
-# ROLLOUT_DEVICES=cuda:2, 32 prompts, mini 16).
-# Recipe: verl-omni's Flow-DPPO Qwen-Image OCR LoRA run (specs/algorithms.md §8.2): kl_mask_threshold=1e-5,
+#               own GPU (--rollout_devices colocated)                    NPROC_PER_NODE=3
+#   cuda:3      GenRM server (vllm serve; the judge keeps its own GPU)   GENRM_GPUS=3 (GENRM_TP GPUs per replica)
+# The vllm-omni rollout keeps the reserved layout and verl-omni's exact batch: ROLLOUT_ENGINE=vllm_omni
+# (NPROC_PER_NODE=2, ROLLOUT_DEVICES=cuda:2, 16 prompts per GPU = 32, mini 16).
+# Scale: NPROC_PER_NODE trainer GPUs per node, NNODES nodes (run this script on every node with its NODE_RANK,
+# MASTER_ADDR = node 0, MASTER_PORT), TORCHRUN_ARGS for torchrun itself; the global batch is PROMPTS_PER_GPU x
+# trainer GPUs (TRAIN_BATCH / MINI_BATCH set it directly). See scripts/launch.sh and scripts/recipe_lib.sh.
+# Recipe: verl-omni's Flow-DPPO Qwen-Image OCR LoRA run: kl_mask_threshold=1e-5,
 # add_kl_coefficient, sde_type=sde, noise 1.2, SDE window 2 in [0,5], LoRA 64/128, lr 3e-4, true CFG 4.0 (rollout
 # and replay). Old log-probs are recomputed (verl-omni's default, step-1 ratio exactly 1); --old_log_probs rollout is
 # its bypass mode (no replay pass before the update; the rollout/trainer gap then enters the ratio, see
@@ -20,24 +23,24 @@ MODEL_PATH=${MODEL_PATH:-Qwen/Qwen-Image}
 REWARD_MODEL_PATH=${REWARD_MODEL_PATH:-Qwen/Qwen3-VL-8B-Instruct}
 TRAIN_FILES=${TRAIN_FILES:-$HOME/data/ocr/qwen_image/train.parquet}
 VAL_FILES=${VAL_FILES:-$HOME/data/ocr/qwen_image/test.parquet}
+source scripts/recipe_lib.sh
 ROLLOUT_ENGINE=${ROLLOUT_ENGINE:-native}
 if [ "$ROLLOUT_ENGINE" = native ]; then
-  NPROC=${NPROC:-3}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-colocated}
-  TRAIN_BATCH=${TRAIN_BATCH:-30}; MINI_BATCH=${MINI_BATCH:-15}
+  export NPROC_PER_NODE=${NPROC_PER_NODE:-3}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-colocated}
+  PROMPTS_PER_GPU=${PROMPTS_PER_GPU:-10}; MINI_PROMPTS_PER_GPU=${MINI_PROMPTS_PER_GPU:-5}
 else
-  NPROC=${NPROC:-2}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:2}
-  TRAIN_BATCH=${TRAIN_BATCH:-32}; MINI_BATCH=${MINI_BATCH:-16}
+  export NPROC_PER_NODE=${NPROC_PER_NODE:-2}; ROLLOUT_DEVICES=${ROLLOUT_DEVICES:-cuda:2}
+  PROMPTS_PER_GPU=${PROMPTS_PER_GPU:-16}; MINI_PROMPTS_PER_GPU=${MINI_PROMPTS_PER_GPU:-8}
 fi
-GENRM_GPUS=${GENRM_GPUS:-3}
-GENRM_PORT=${GENRM_PORT:-8000}
+TRAIN_BATCH=$(flowrl_global_batch TRAIN_BATCH "$PROMPTS_PER_GPU" "${TRAIN_BATCH:-}")
+MINI_BATCH=$(flowrl_global_batch MINI_BATCH "$MINI_PROMPTS_PER_GPU" "${MINI_BATCH:-}")
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/qwen_image_ocr_dppo_lora}
 mkdir -p "$OUTPUT_DIR"
 
-GENRM_PID=$(bash scripts/serve_genrm.sh --model "$REWARD_MODEL_PATH" --port "$GENRM_PORT" --gpus "$GENRM_GPUS" \
-  --log "$OUTPUT_DIR/genrm_server.log" | tail -n 1)
-trap 'kill "$GENRM_PID" 2>/dev/null || true' EXIT
+flowrl_start_judges "$REWARD_MODEL_PATH" "$OUTPUT_DIR/genrm_server_node${NODE_RANK:-0}"
+trap flowrl_stop_judges EXIT
 
-torchrun --nproc_per_node="$NPROC" train_dppo.py \
+bash scripts/launch.sh train_dppo.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
   --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \
   --train_batch_size "$TRAIN_BATCH" --rollout_n 16 --ppo_mini_batch_size "$MINI_BATCH" --micro_batch_size 16 \
@@ -46,7 +49,7 @@ torchrun --nproc_per_node="$NPROC" train_dppo.py \
   --true_cfg_scale 4.0 \
   --loss flow_dppo --kl_mask_threshold 1e-5 --noise_level 1.2 --sde_type sde \
   --sde_window_size 2 --sde_window_range 0,5 \
-  --ocr_backend http --genrm_url "http://127.0.0.1:$GENRM_PORT" --genrm_model "$REWARD_MODEL_PATH" \
+  --ocr_backend http --genrm_url "$GENRM_URL" --genrm_model "$REWARD_MODEL_PATH" \
   --genrm_temperature 0.7 --genrm_top_p 0.8 \
   --total_training_steps 300 --test_freq 30 --save_freq 30 --val_max_samples 1018 \
   --output_dir "$OUTPUT_DIR" "$@"

@@ -169,7 +169,7 @@ def main(argv=None) -> None:
         with open(os.path.join(args.output_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
         if len(grid_images):
-            captions = [f"seed {r['seed']} | {r['prompt'][:100]}" for r in records[:len(grid_images)]]
+            captions = [f"seed {r['seed']} | {r['prompt']}" for r in records[:len(grid_images)]]  # wrapped at words
             T.image_grid(grid_images, captions).save(os.path.join(args.output_dir, "grid.png"))
         print(f"wrote {len(records)} images, samples.jsonl and grid.png to {args.output_dir}", flush=True)
     T.cleanup_distributed()

@@ -1,9 +1,10 @@
-"""Launch a trainer under torchrun and read back what it logged (TensorBoard scalars and images): the helpers that
-tests/test_trainers.py and scripts/bench_learning.py share."""
+"""Launch a trainer under torchrun and read back what it logged (TensorBoard scalars and images, its console lines):
+the helpers that the trainer tests and scripts/bench_learning.py share."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,3 +76,29 @@ def images(run_dir: str, tag: str) -> dict[int, bytes]:
     if tag not in events.Tags()["images"]:
         return {}
     return {e.step: e.encoded_image_string for e in events.Images(tag)}
+
+
+# torchrun's own lines start with a glog-style header ("E1202 15:49:33.143000 ...") or its launcher traceback
+TORCHRUN_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")
+
+
+def trainer_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The trainer's own non-empty console lines of a `run_trainer` result: stdout, then stderr up to torchrun's
+    first line (its ChildFailedError summary of a failed run)."""
+    err = proc.stderr.splitlines()
+    first_torchrun = next((i for i, line in enumerate(err) if TORCHRUN_LINE.match(line)), len(err))
+    return [line for line in proc.stdout.splitlines() + err[:first_torchrun] if line.strip()]
+
+
+def error_line(proc: subprocess.CompletedProcess, output_dir: str) -> str:
+    """The one error line of a failed run of 2 ranks (AssertionError unless there is exactly one, the console shows
+    no traceback and <output_dir>/train.log holds both ranks' tracebacks)."""
+    assert proc.returncode != 0
+    lines = trainer_lines(proc)
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1, lines
+    assert not any("Traceback" in line for line in lines), lines
+    with open(os.path.join(output_dir, "train.log"), encoding="utf-8") as f:
+        log = f.read()
+    assert "Traceback (most recent call last)" in log and "[rank 1] Traceback" in log, log[-3000:]
+    return errors[0]

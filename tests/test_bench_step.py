@@ -33,6 +33,7 @@ def smoke(tiny_models, tmp_path_factory):
     return json.loads((out / "bench.json").read_text()), proc.stdout, out / "bench.json"
 
 
+@pytest.mark.slow  # the module fixture `smoke` runs the whole bench_step.py --smoke (about a minute)
 def test_schema_and_ratio_from_the_same_invocation(smoke):
     result, stdout, _ = smoke
     assert result["bench"] == "bench_step" and result["schema_version"] == 1 and result["smoke"] is True
@@ -64,6 +65,7 @@ def test_schema_and_ratio_from_the_same_invocation(smoke):
     assert "baseline: measured in this invocation" in stdout
 
 
+@pytest.mark.slow  # the module fixture `smoke` runs the whole bench_step.py --smoke (about a minute)
 def test_bypass_reproduces_recompute_when_the_gap_is_zero(smoke):
     result, _, _ = smoke
     runs = result["recipes"]["qwen_dppo"]["runs"]

@@ -151,6 +151,7 @@ def test_collective_timeouts_outlast_every_phase_timeout(monkeypatch):
         T.cleanup_distributed()
 
 
+@pytest.mark.slow  # the real trainer CLI under torchrun (start-up and imports: tens of seconds on 2 cores)
 @pytest.mark.parametrize("script,bad,match", [
     ("train_dppo.py", dict(height=500), r"height=500 is not a multiple of 16"),
     ("train_nft.py", "data_source", r"row 0, column 'data_source': 'aesthetic' names no known reward"),

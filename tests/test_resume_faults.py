@@ -1,7 +1,7 @@
 """Faults injected into real trainer runs (CPU, one trainer rank, tiny Qwen-Image, 64², rank-4 LoRA): a crash between
 checkpoints then --resume auto (moved data, changed operational flags, Ctrl-C, different data refused), a second run
-into the same output folder (stopped by --max_wall_time_s), a divergence with a huge learning rate (slow), and a
-frozen rollout worker under two trainer ranks (slow).
+into the same output folder (stopped by --max_wall_time_s), a divergence with a huge learning rate, and a frozen
+rollout worker under two trainer ranks. All of them are in the slow stage (`python3 -m pytest -m slow`).
 The component-level checks (sha256 corruption, malicious pickles, killed saves, the flag policy, the skip logic)
 are in tests/test_training.py."""
 
@@ -25,6 +25,9 @@ from safetensors.torch import load_file
 from test_trainers import REPO, cli, demo_data, free_port, run_trainer, scalars, values  # noqa: F401 (fixture)
 
 import training as T
+
+# whole trainer runs with injected faults (minutes each on 2 cores): the slow stage (`python3 -m pytest -m slow`)
+pytestmark = pytest.mark.slow
 
 
 class Trainer:
@@ -180,7 +183,6 @@ def test_second_run_into_the_same_output_dir(demo_data, tiny_models, tmp_path): 
     assert [s for s, _ in scalars(out)["critic/rewards/mean"]] == [1]  # the new logs hold only the new run
 
 
-@pytest.mark.slow
 def test_divergence_with_a_huge_lr_skips_stops_and_names_the_checkpoint(demo_data, tiny_models,  # noqa: F811
                                                                         tmp_path):
     """--lr 1e8 after a healthy step (accepted with --resume_force, which names the key): step 2's update is
@@ -210,7 +212,6 @@ def test_divergence_with_a_huge_lr_skips_stops_and_names_the_checkpoint(demo_dat
     assert values(m, "actor/step_skipped") == [0.0, 0.0, 1.0, 1.0]
 
 
-@pytest.mark.slow
 def test_a_frozen_rollout_worker_is_named_in_every_ranks_log(demo_data, tiny_models, tmp_path):  # noqa: F811
     """Two nodes of one trainer rank each (two torchruns on 127.0.0.1, gloo), each node with its own rollout worker;
     node 0's worker is frozen (SIGSTOP) after step 1. Its driver, rank 0, gives up on it after --rollout_timeout_s;

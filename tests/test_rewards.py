@@ -278,6 +278,34 @@ def test_genrm_http_client_error_not_retried():
     assert len(judge.requests) == 1
 
 
+def test_genrm_http_replicas_share_the_requests_and_a_failing_one_is_retried_on_another():
+    images, gts = [noise_image(seed) for seed in range(6)], ["Grand Opening"] * 6
+    with FakeJudge() as a, FakeJudge() as b:
+        res = http_scorer(f"{a.url},{b.url}", genrm_max_retries=0).score_batch(images, gts, ["ocr"] * 6)
+        assert res.rewards.tolist() == [1.0] * 6
+        assert (len(a.requests), len(b.requests)) == (3, 3)  # round-robin
+    with FakeJudge(behaviours=[500]) as down, FakeJudge() as up:
+        res = http_scorer(f"{down.url},{up.url}", genrm_max_retries=1).score_batch(images, gts, ["ocr"] * 6)
+        assert res.rewards.tolist() == [1.0] * 6  # each request that met the failing replica went on to the other
+        assert len(up.requests) == 6 and len(down.requests) == 3
+    with FakeJudge(behaviours=[500]) as down, FakeJudge(behaviours=[503]) as also_down:
+        with pytest.raises(R.GenRMServerError, match=r"failed 2 attempt\(s\).*the last from"):
+            http_scorer(f"{down.url},{also_down.url}", genrm_max_retries=1).score_batch(images[:1], gts[:1], ["ocr"])
+
+
+def test_genrm_url_flag_repeats_and_refuses_an_empty_replica():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    R.add_reward_args(parser)
+    assert parser.parse_args([]).genrm_url == "http://127.0.0.1:8000"
+    assert parser.parse_args(["--genrm_url", "http://a:1", "--genrm_url", "http://b:2,http://c:3"]).genrm_url == \
+        "http://a:1,http://b:2,http://c:3"
+    assert R.split_genrm_urls("http://a:1, http://b:2") == ["http://a:1", "http://b:2"]
+    with pytest.raises(ValueError, match="several separated by commas"):
+        http_scorer("http://a:1,,http://b:2").score_batch([noise_image()], ["a"], ["ocr"])
+
+
 def test_genrm_http_unreachable_server_errors():
     import socket
     with socket.socket() as s:

@@ -466,6 +466,7 @@ def test_check_rollout_python_reports_the_interpreter_and_its_versions(tmp_path)
         assert info["torch"] == torch.__version__ and info["diffusers"] != "not installed"
 
 
+@pytest.mark.slow  # the real trainer CLI (start-up and imports, ~20 s on 2 cores)
 def test_trainer_stops_on_a_bad_rollout_python_before_loading_the_model(tiny_models, tmp_path):
     """train_dppo.py with --rollout_python pointing nowhere fails at start-up naming the flag. The model folder keeps
     its configs but has no weights, so a run that reached the model load would fail with another error."""

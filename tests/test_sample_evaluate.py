@@ -73,6 +73,7 @@ def nft_run(tiny_models, tmp_path_factory):
     return {"root": root, "out": out, "model_path": model_path, "init": init, "proc": proc}
 
 
+@pytest.mark.slow  # the module fixture `nft_run` is a whole trainer run
 def test_nft_run_log_grid_and_checkpoint(nft_run):
     import training as T
     from models import lora
@@ -99,6 +100,7 @@ def test_nft_run_log_grid_and_checkpoint(nft_run):
     assert moved > 0  # default was trained away from the init, so the check above could fail
 
 
+@pytest.mark.slow  # a whole trainer run (`nft_run`), then the README's commands on it
 def test_readme_after_training_commands(nft_run, tmp_path):
     """The README's commands as written (paths substituted for the tiny run), then: evaluate.py's number for the
     validated adapter is the in-training validation's, bit for bit; sample.py under torchrun draws evaluate's images."""
@@ -137,7 +139,7 @@ def test_readme_after_training_commands(nft_run, tmp_path):
     assert Image.open(samples / "grid.png").size == (4 * 64, 2 * (64 + 4 * 12 + 4))  # both ranks' 8 images
     for i in range(4):
         a = np.asarray(Image.open(samples / f"{i:05d}.png"))
-        b = np.asarray(Image.open(out / "eval" / "images" / "2" / f"{i:05d}.png"))
+        b = np.asarray(Image.open(out / "eval" / "images" / "2_step_00000001-default" / f"{i:05d}.png"))
         assert np.array_equal(a, b), i
     # compare_runs lists the run's last validation value
     assert str(out) in outputs[2] and KEY in outputs[2] and f"{trained[0]:.4f}" in outputs[2]

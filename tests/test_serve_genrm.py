@@ -25,7 +25,8 @@ FAKE_VLLM = textwrap.dedent("""\
     assert args[0] == "serve", args
     port = int(args[args.index("--port") + 1])
     mode = os.environ["FAKE_MODE"]
-    print("fake vllm", args, "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", ""), flush=True)
+    print("fake vllm", args, "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+          "pid=" + str(os.getpid()), flush=True)
     if mode == "die":
         print("RuntimeError: CUDA out of memory (fake)", flush=True)
         sys.exit(3)

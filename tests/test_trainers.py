@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from data_prep.make_demo_data import make_demo_data
-from trainer_runs import free_port, run_trainer, scalars
+from trainer_runs import error_line, free_port, run_trainer, scalars, trainer_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# whole trainer runs (minutes each on 2 cores): the slow stage (`python3 -m pytest -m slow`), not the default run
+pytestmark = pytest.mark.slow
 SMALL = dict(device="cpu", rollout_devices="cpu", rollout_threads=1, height=64, width=64, num_inference_steps=4,
              val_num_inference_steps=4, lora_rank=4, lora_alpha=8, resume="never", save_freq=100, val_max_samples=2,
              train_batch_size=2, rollout_n=2, micro_batch_size=2, total_training_steps=1)
@@ -154,7 +156,11 @@ def test_exact_resume_and_config_refusal(demo_data, tiny_models, tmp_path):
     proc = run_trainer("train_dppo.py", qwen_dppo(tiny_models, demo_data, lr=1e-2, save_freq=2, lr_warmup_steps=3,
                                                   total_training_steps=4, resume="auto", rollout_n=4,
                                                   output_dir=resumed), expect_ok=False)
-    assert proc.returncode != 0 and "rollout_n" in proc.stderr
+    # the refusal is one line (rank 0's; both ranks' tracebacks in train.log) naming the flag and the fixes
+    line = error_line(proc, resumed)
+    assert line.startswith("error: CheckpointError: refusing to resume "), line
+    assert "rollout_n: checkpoint=2 now=4" in line and "--resume_force" in line and "--resume never" in line
+    assert trainer_lines(proc)[-1] == line  # the last line the trainer printed: only start-up lines before it
 
 
 def test_guided_rows_without_negative_prompt_fail_closed(demo_data, tiny_models, tmp_path):
@@ -201,19 +207,22 @@ def test_learning_raises_the_held_out_reward_beyond_the_lr0_control(demo_data, t
 
 
 def test_two_nodes_each_drive_their_own_rollout_workers(demo_data, tiny_models, tmp_path):
-    """Two torchrun agents on one machine stand in for two nodes (1 trainer rank each, static rendezvous): each
-    node's local rank 0 starts and drives that node's rollout worker (logs under rollout_logs/node<i>/), adapters
-    sync to both, and step 1 sees the same samples as one node with two ranks (rows carry their own seeds)."""
+    """Two torchrun agents on one machine stand in for two nodes (1 trainer rank each, static rendezvous), each
+    started by the recipes' own launch line (scripts/launch.sh with NNODES / NODE_RANK / MASTER_ADDR /
+    MASTER_PORT): each node's local rank 0 starts and drives that node's rollout worker (logs under
+    rollout_logs/node<i>/), adapters sync to both, and step 1 sees the same samples as one node with two ranks
+    (rows carry their own seeds)."""
     flags = qwen_dppo(tiny_models, demo_data, total_training_steps=2, lr=1e-2)
     one_node = tmp_path / "one_node"
     run_trainer("train_dppo.py", flags + ["--output_dir", str(one_node)])
     two_nodes = tmp_path / "two_nodes"
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
-                                str(node), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
-                                str(port), os.path.join(REPO, "train_dppo.py"), *flags, "--output_dir", str(two_nodes)],
-                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHON=sys.executable, NNODES="2",
+               NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHRUN_ARGS="--max-restarts 0")
+    agents = [subprocess.Popen(["bash", os.path.join(REPO, "scripts", "launch.sh"), "train_dppo.py", *flags,
+                                "--output_dir", str(two_nodes)],
+                               cwd=REPO, env=dict(env, NODE_RANK=str(node)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
               for node in (0, 1)]
     outputs = [agent.communicate(timeout=900) for agent in agents]
     for agent, (stdout, stderr) in zip(agents, outputs):

@@ -715,6 +715,7 @@ def _run_until_killed(root: str, phase: str) -> None:
         proc.wait(timeout=60)
 
 
+@pytest.mark.slow  # two real processes killed mid-save (about a minute on 2 cores)
 def test_a_killed_save_leaves_the_newest_checkpoint_and_start_up_tidies(tmp_path):
     root = str(tmp_path / "checkpoints")
     _run_until_killed(root, "new")
@@ -1021,6 +1022,7 @@ def test_config_fingerprint():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two ranks under torchrun (about a minute on 2 cores)
 def test_fsdp2_lora_two_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

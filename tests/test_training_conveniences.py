@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -240,7 +241,7 @@ def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch)
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test, whatever tee_console installs
     monkeypatch.setattr(sys, "stderr", sys.stderr)
-    monkeypatch.setattr(logs, "get_rank", lambda: 1)
+    monkeypatch.setattr(logs, "launch_rank", lambda: 1)
     path = T.tee_console(str(tmp_path))
     assert not isinstance(sys.stdout, logs._Tee)  # ranks > 0: stderr only
     print("rank-1 chatter")
@@ -248,11 +249,14 @@ def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch)
     sys.stderr.write("\nRuntimeError: boom\n")
     assert T.tee_console(str(tmp_path)) == path  # idempotent: no second layer
     monkeypatch.setattr(sys, "stderr", sys.__stderr__)
-    monkeypatch.setattr(logs, "get_rank", lambda: 0)
+    monkeypatch.setattr(logs, "launch_rank", lambda: 0)
     T.tee_console(str(tmp_path))
     print("step 1/1 | rank 0 line")
-    log = open(path, encoding="utf-8").read().splitlines()
-    assert "rank-1 chatter" not in "\n".join(log)
+    lines = open(path, encoding="utf-8").read().splitlines()
+    assert "rank-1 chatter" not in "\n".join(lines)
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ "  # every line starts with its UTC time
+    assert all(re.match(stamp, line) for line in lines), lines
+    log = [re.sub("^" + stamp, "", line) for line in lines]
     assert log[:3] == ["[rank 1] Traceback (most recent call last):", "[rank 1]   boom", "[rank 1] RuntimeError: boom"]
     assert log[3].startswith("==== ") and log[4] == "step 1/1 | rank 0 line"
 
@@ -263,7 +267,7 @@ def test_help_shows_every_default(script, capsys):
     with pytest.raises(SystemExit):
         module.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--lr LR AdamW peak learning rate (see --lr_scheduler) (default: 1e-06)" in text
+    assert "--lr LR, --learning_rate LR AdamW peak learning rate (see --lr_scheduler) (default: 1e-06)" in text
     assert "--lora_rank LORA_RANK default: 64" in text  # a flag without help text still shows its default
     assert "--lr_scheduler {constant,linear,cosine}" in text and "(default: constant)" in text
     assert ("--val_adapter {old,default}" in text) == (script == "train_nft")

@@ -27,6 +27,8 @@ One module per section, read in this order (`import training as T` gives every p
 10. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
    so each trainer file holds only its algorithm.
+10. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you
+   mean" for a misspelt flag), the traceback goes to `<output_dir>/train.log`.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from .step import *  # noqa: F401,F403
 from .preflight import *  # noqa: F401,F403
 from .profiling import *  # noqa: F401,F403
 from .run import *  # noqa: F401,F403
+from .cli import *  # noqa: F401,F403
 from .model import _full  # noqa: F401  (tests use it on DTensors)
 
 __all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight,  # noqa: F405
-                               profiling, run)
+                               profiling, run, cli)
            for name in module.__all__]

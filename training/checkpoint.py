@@ -577,11 +577,10 @@ def check_resume_config(path: str, state: Mapping[str, Any], config: Mapping[str
         diffs = _diff_lines(state["fingerprinted_config"], values)
         if not force:
             raise CheckpointError(
-                f"checkpoint {path} was written with a different config; refusing to resume. These flags change the "
-                f"objective, the sampled numbers or the data order (paths may move, but the content they point to "
-                f"must not change). Differing keys:\n  " + "\n  ".join(diffs) + "\nResume with the original values; "
-                "or pass --resume_force to continue anyway (the run is then no longer one experiment); or start a "
-                "new run with --resume never (the checkpoints are moved aside) or in a fresh --output_dir.")
+                f"refusing to resume {path}: it was written with other values of flags that change the objective, "
+                f"the sampled numbers or the data order ({'; '.join(diffs)}); resume with the original values, or "
+                f"pass --resume_force to continue anyway (the run is then no longer one experiment), or start a new "
+                f"run with --resume never (the checkpoints are moved aside) or in a fresh --output_dir")
         lines.append(f"WARNING --resume_force: resuming {path} although these flags changed (the objective, the "
                      f"sampled numbers or the data order differ from the run so far):\n  " + "\n  ".join(diffs))
     logged = _diff_lines(state.get("logged_config", {}), _logged_values(config, fingerprint_ignore))

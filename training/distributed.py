@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "get_world_size", "get_local_rank",
+    "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "launch_rank", "get_world_size", "get_local_rank",
     "is_main_process", "is_local_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
     "raise_if_any_rank_failed", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S"
 ]
@@ -174,6 +174,12 @@ def cleanup_distributed() -> None:
 
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def launch_rank() -> int:
+    """This process's global rank, also before the process group exists: the group's rank once initialised, else
+    torchrun's $RANK, else 0 (a plain `python train_*.py`)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def get_world_size() -> int:

@@ -24,14 +24,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .distributed import get_rank, get_world_size, is_main_process
+from .distributed import get_rank, get_world_size, is_main_process, launch_rank
 from .checkpoint import library_versions
 
 __all__ = [
     "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "perf_metrics", "timer",
     "image_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress", "git_commit",
-    "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "LOG_FILE", "HelpFormatter",
-    "PEAK_TFLOPS_ENV", "device_peak_flops", "rollout_device_count", "transformer_flops", "phase_perf_metrics"
+    "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "log_only", "log_time",
+    "run_summary", "LOG_FILE", "HelpFormatter", "PEAK_TFLOPS_ENV", "device_peak_flops", "rollout_device_count",
+    "transformer_flops", "phase_perf_metrics"
 ]
 
 
@@ -221,8 +222,10 @@ def timer(name: str, timings: dict[str, float], *, cuda_sync: bool = True) -> It
         timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
-def _wrap(text: str, width_px: int, char_px: int = 6) -> list[str]:
-    return textwrap.wrap(text, width=max(8, width_px // char_px)) or [""]
+def _wrap(text: str, width_px: int, max_lines: int, char_px: int = 6) -> list[str]:
+    """`text` wrapped at word boundaries into at most `max_lines` lines of the pixel width; a longer text ends
+    its last line with " ..." (never cut mid-word, unless a single word is longer than a line)."""
+    return textwrap.wrap(text, width=max(8, width_px // char_px), max_lines=max_lines, placeholder=" ...") or [""]
 
 
 def image_grid(images: torch.Tensor | Sequence[Any], captions: Sequence[str], *, ncols: int = 4,
@@ -251,7 +254,7 @@ def image_grid(images: torch.Tensor | Sequence[Any], captions: Sequence[str], *,
     for i, (im, cap) in enumerate(zip(pil, captions)):
         x, y = (i % ncols) * w, (i // ncols) * (h + cap_h)
         grid.paste(im, (x, y))
-        lines = _wrap(cap, w)[:caption_lines]
+        lines = _wrap(cap, w, caption_lines)
         for j, line in enumerate(lines):
             draw.text((x + 2, y + h + 2 + j * line_h), line, fill="black", font=font)
     return grid
@@ -303,6 +306,22 @@ class Progress:
             if metrics and k in metrics:
                 parts.append(f"{k.split('/', 1)[-1]} {metrics[k]:.4g}")
         return " | ".join(parts)
+
+
+def run_summary(first_step: int, last_step: int, seconds: float, val_metrics: Mapping[str, float],
+                checkpoint: str | None, output_dir: str) -> str:
+    """The line a trainer prints when its last step is done: the steps this process ran and their time, the last
+    validation's `val-core/*` values, the last checkpoint and where the logs are."""
+    steps = last_step - first_step + 1
+    parts = [f"done: steps {first_step}-{last_step} in {datetime.timedelta(seconds=int(round(seconds)))} "
+             f"({seconds / max(steps, 1):.2f} s/step)"]
+    core = {k: v for k, v in val_metrics.items() if k.startswith("val-core/")}
+    if core:
+        parts.append("last validation " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(core.items())))
+    if checkpoint:
+        parts.append(f"checkpoint {checkpoint}")
+    parts.append(f"logs {os.path.join(output_dir, 'tensorboard')} and {os.path.join(output_dir, LOG_FILE)}")
+    return " | ".join(parts)
 
 
 def git_commit(repo_dir: str | None = None) -> str:
@@ -371,8 +390,14 @@ def set_defaults_from_run(parser: argparse.ArgumentParser, argv: Sequence[str] |
 LOG_FILE = "train.log"
 
 
+def log_time() -> str:
+    """The UTC wall-clock time that starts every line of the console log file, e.g. `2026-12-02T15:53:09Z`."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 class _Tee:
-    """A text stream that also appends every complete line to a log file (prefixed, e.g. "[rank 1] ")."""
+    """A text stream that also appends every complete line to a log file, after the time (`log_time`) and a prefix
+    (e.g. "[rank 1] ")."""
 
     def __init__(self, stream: Any, log: Any, prefix: str) -> None:
         self.stream, self.log, self.prefix, self.pending = stream, log, prefix, ""
@@ -382,7 +407,8 @@ class _Tee:
         self.pending += text
         if "\n" in self.pending:  # whole lines only, so the ranks' lines never interleave mid-line
             lines, self.pending = self.pending.rsplit("\n", 1)
-            self.log.write("".join(f"{self.prefix}{line}\n" for line in lines.split("\n")))
+            now = log_time()
+            self.log.write("".join(f"{now} {self.prefix}{line}\n" for line in lines.split("\n")))
             self.log.flush()
         return n
 
@@ -391,7 +417,7 @@ class _Tee:
 
     def close_log(self) -> None:
         if self.pending:
-            self.log.write(f"{self.prefix}{self.pending}\n")
+            self.log.write(f"{log_time()} {self.prefix}{self.pending}\n")
             self.pending = ""
         self.log.flush()
 
@@ -400,27 +426,40 @@ class _Tee:
 
 
 def tee_console(output_dir: str) -> str:
-    """Mirror the console into `<output_dir>/train.log` (appended, so a resumed run continues the same file): rank
-    0's stdout and stderr, and every other rank's stderr with a "[rank N] " prefix (tracebacks and warnings of
-    every rank land there). Python-level writes only (C/C++ libraries writing to the fds directly are not
-    captured). Idempotent; returns the log path."""
+    """Mirror the console into `<output_dir>/train.log` (appended, so a resumed run continues the same file), every
+    line after its UTC time: rank 0's stdout and stderr, and every other rank's stderr with a "[rank N] " prefix
+    (tracebacks and warnings of every rank land there). Python-level writes only (C/C++ libraries writing to the fds directly are not
+    captured). Works before the process group exists (the rank from torchrun's environment). Idempotent; returns
+    the log path."""
     path = os.path.join(output_dir, LOG_FILE)
     if isinstance(sys.stderr, _Tee):
         return path
     os.makedirs(output_dir, exist_ok=True)
     log = open(path, "a", encoding="utf-8")
-    rank = get_rank()
+    rank = launch_rank()
     prefix = "" if rank == 0 else f"[rank {rank}] "
     tees = [_Tee(sys.stderr, log, prefix)]
     sys.stderr = tees[0]
     if rank == 0:
         tees.append(_Tee(sys.stdout, log, ""))
         sys.stdout = tees[1]
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        log.write(f"==== {now} {' '.join(sys.argv)} ({get_world_size()} ranks)\n")
+        world = get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        log.write(f"{log_time()} ==== {' '.join(sys.argv)} ({world} ranks)\n")
         log.flush()
     atexit.register(lambda: [t.close_log() for t in tees])
     return path
+
+
+def log_only(text: str) -> str | None:
+    """Append `text` to the console log file (`tee_console`), with this rank's line prefix, without showing it on
+    the console. Returns the log path, or None when no log file is open yet (nothing is written then)."""
+    tee = sys.stderr
+    if not isinstance(tee, _Tee):
+        return None
+    now = log_time()
+    tee.log.write("".join(f"{now} {tee.prefix}{line}\n" for line in text.rstrip("\n").split("\n")))
+    tee.log.flush()
+    return tee.log.name
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

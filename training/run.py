@@ -24,7 +24,7 @@ from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, lo
 from .data import PromptSampler
 from .checkpoint import (ResumePlan, _complete_steps, _on_rank0, content_fingerprints, find_latest, load_checkpoint,
                          prepare_resume, save_checkpoint)
-from .logs import Progress, TensorBoardLogger, perf_metrics, tee_console, write_run_metadata
+from .logs import Progress, TensorBoardLogger, perf_metrics, run_summary, tee_console, write_run_metadata
 from .step import (check_batch_sizes, clean_rollout_adapters, guidance_of, load_flow_model, load_init_adapter,
                    parse_lora_init, resolve_device, sync_rollout_adapter, validate)
 
@@ -105,6 +105,8 @@ class Run:
     stop_signals: StopSignals | None = None
     last_update_step: int = 0      # the last step whose update was applied (the divergence advice starts there)
     last_saved_step: int = -1
+    last_checkpoint: str | None = None  # the path `save` wrote last (the end-of-run summary names it)
+    last_val_metrics: dict[str, float] = field(default_factory=dict)  # the last validation's metrics (same)
     save_pending: bool = False     # a checkpoint that fell on a skipped (non-finite) step: written at the next good one
     _applied_seen: int = 0
     _skipped_seen: int = 0
@@ -131,6 +133,9 @@ class Run:
                 yield step
                 if profiling:
                     profiler.step()
+        if self.rank == 0 and args.total_training_steps > self.start_step:  # the last step's tail is done
+            print(run_summary(self.start_step + 1, args.total_training_steps, time.monotonic() - self.started_at,
+                              self.last_val_metrics, self.last_checkpoint, args.output_dir), flush=True)
 
     def _maybe_stop(self, done: int) -> None:
         """Collective (one all_reduce): stop after step `done` if any rank got a signal or the wall time is up."""
@@ -186,7 +191,7 @@ class Run:
                                               "last_update_step": self.last_update_step,
                                               "lr_scheduler": lr_scheduler_state(self.lr_scheduler)},
                                keep_last=self.args.keep_last)
-        self.last_saved_step, self.save_pending = step, False
+        self.last_saved_step, self.save_pending, self.last_checkpoint = step, False, path
         if self.rank == 0:
             print(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s)", flush=True)
         return path
@@ -217,6 +222,7 @@ class Run:
                            self.logger)
         if swap:
             self.sync_rollout(self.rollout_adapter, self.rollout_version)
+        self.last_val_metrics = dict(metrics)
         return metrics
 
     def end_step(self, step: int, metrics: dict[str, float], timings: Mapping[str, float], step_start: float,
@@ -321,6 +327,10 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     from rollout import DistributedRollout, check_rollout_python
 
     config = vars(args)
+    try:  # first, so that the traceback of any start-up error goes to <output_dir>/train.log (training.cli.run_cli)
+        tee_console(args.output_dir)
+    except OSError:
+        pass  # an --output_dir that cannot be written: preflight's check_output_dir names it and the fix
     # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
     # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
     check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
@@ -383,6 +393,10 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
         if rank == 0:
             print(f"resumed from {plan.path} at step {start_step}", flush=True)
 
+    if rank == 0:  # the workers load the whole pipeline: this can take a while, say so
+        print(f"rollout: starting the workers of each node ({args.rollout_engine} engine on {args.rollout_devices})",
+              flush=True)
+    started = time.monotonic()
     rollout = DistributedRollout(model_path, args.rollout_devices.split(","), engine=args.rollout_engine,
                                  dtype=args.rollout_dtype if device.type == "cuda" else "float32",
                                  max_batch_size=args.rollout_max_batch_size, timeout_s=args.rollout_timeout_s,
@@ -392,6 +406,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  python=args.rollout_python, startup_timeout_s=args.rollout_startup_timeout_s,
                                  collective_timeout_s=group_timeout_s, attention_backend=args.attention_backend,
                                  profile_generate=max(0, args.profile_step - start_step))
+    if rank == 0:
+        print(f"rollout: the workers are ready ({time.monotonic() - started:.1f} s)", flush=True)
     return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,

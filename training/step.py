@@ -78,7 +78,8 @@ def add_common_args(parser) -> None:
     g.add_argument("--init_adapter", type=adapter_arg, default=None,
                    help="start 'default' from this LoRA (PEFT folder, or CHECKPOINT:default|old) instead of B = 0; "
                         "its rank/alpha/modules must equal the run's (DiffusionNFT's 'old' starts as a copy)")
-    g.add_argument("--lr", type=float, default=1e-6, help="AdamW peak learning rate (see --lr_scheduler)")
+    g.add_argument("--lr", "--learning_rate", type=float, default=1e-6,
+                   help="AdamW peak learning rate (see --lr_scheduler)")
     g.add_argument("--lr_scheduler", default="constant", choices=LR_SCHEDULES,
                    help="lr after the warm-up: constant (verl-omni's default), or linear / cosine decay to "
                         "--min_lr_ratio x lr at --total_training_steps")
@@ -592,15 +593,24 @@ def load_flow_model(path: str, args, device: torch.device):
 
 def check_batch_sizes(train_batch_size: int, mini_batch_prompts: int, n: int, micro_batch_size: int,
                       world: int) -> None:
-    """verl-omni batching: prompts x n per step, mini-batches in prompts, micro-batches in samples per GPU."""
-    if train_batch_size % world or mini_batch_prompts % world:
-        raise ValueError(f"train_batch_size ({train_batch_size}) and ppo_mini_batch_size ({mini_batch_prompts}) "
-                         f"must be divisible by the {world} trainer ranks")
+    """verl-omni batching: prompts x n per step, mini-batches in prompts, micro-batches in samples per GPU. Raises
+    ValueError naming the flag and a value that would work."""
+    from models.base import nearest_multiples
+
+    for flag, value in (("train_batch_size", train_batch_size), ("ppo_mini_batch_size", mini_batch_prompts)):
+        if value % world:
+            lo, hi = nearest_multiples(value, world)
+            raise ValueError(f"--{flag} {value} must be divisible by the {world} trainer ranks: use {lo} or {hi} "
+                             f"(a multiple of {world})")
     if train_batch_size % mini_batch_prompts:
-        raise ValueError(f"ppo_mini_batch_size ({mini_batch_prompts}) must divide train_batch_size ({train_batch_size})")
-    if (mini_batch_prompts // world) * n % micro_batch_size:
-        raise ValueError(f"micro_batch_size ({micro_batch_size}) must divide the per-rank mini-batch of "
-                         f"{(mini_batch_prompts // world) * n} samples (ppo_mini_batch_size / world x rollout_n)")
+        fits = max(d for d in range(world, mini_batch_prompts + 1, world) if train_batch_size % d == 0)
+        raise ValueError(f"--ppo_mini_batch_size {mini_batch_prompts} must divide --train_batch_size "
+                         f"{train_batch_size}: use {fits}, or leave it unset (= --train_batch_size)")
+    per_rank = (mini_batch_prompts // world) * n
+    if per_rank % micro_batch_size:
+        fits = max(d for d in range(1, micro_batch_size + 1) if per_rank % d == 0)
+        raise ValueError(f"micro_batch_size ({micro_batch_size}) must divide the per-rank mini-batch of {per_rank} "
+                         f"samples (ppo_mini_batch_size / world x rollout_n): use --micro_batch_size {fits}")
 
 
 def resolve_adapter_dir(spec: str) -> str:
@@ -737,8 +747,8 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
                    for k, s in enumerate(outcome.samples) if "ocr/response" in s]
         append_judge_log(args.output_dir, replies)  # every validated reply, verbatim (the grid shows the first)
         if len(outcome.images):
-            captions = [f"r={s['reward']:.3f}" + (f" | judge: {s['ocr/response'][:60]!r}" if "ocr/response" in s
-                                                  else "") + f" | {s['prompt'][:100]}"
+            captions = [f"r={s['reward']:.3f}" + (f" | judge: {s['ocr/response']!r}" if "ocr/response" in s
+                                                  else "") + f" | {s['prompt']}"  # image_grid wraps at words
                         for s in outcome.samples[:len(outcome.images)]]
             logger.log_image("val/samples", image_grid(outcome.images, captions), step)
         core = {key: v for key, v in outcome.metrics.items() if key.startswith("val-core/")}

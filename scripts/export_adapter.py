@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Export a trained LoRA adapter for the loader you use.
+
+    python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000030:default outputs/demo/peft_default
+    python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000030:old lora_vllm --format vllm_omni
+
+The source is a PEFT adapter folder or a checkpoint folder with `:default` / `:old` (as for sample.py). A
+checkpoint's `adapters/<name>/` folder is in diffusers' form (tensor keys `transformer.<module>...`): diffusers'
+`pipe.load_lora_weights(folder)` loads it as it is, but plain PEFT does not find those keys and loads a zero
+adapter (it only warns). The formats:
+
+  peft       keys `base_model.model.<module>...`: `PeftModel.from_pretrained(pipe.transformer, folder)` (default)
+  diffusers  keys `transformer.<module>...`: `pipe.load_lora_weights(folder)` (the checkpoint's own form)
+  vllm_omni  diffusers' form with vllm-omni's module names (for vllm-omni's LoRA manager)
+
+Every form keeps r, lora_alpha and the target modules, so each loader applies the same scale (alpha / r).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models import lora  # noqa: E402
+
+FORMATS = {"peft": dict(key_prefix="base_model.model.", engine_names=False),
+           "diffusers": dict(key_prefix="transformer.", engine_names=False),
+           "vllm_omni": dict(key_prefix="transformer.", engine_names=True)}
+
+
+def export(source_dir: str, out_dir: str, fmt: str) -> int:
+    """Rewrite the adapter folder `source_dir` (any name form) as `out_dir` in format `fmt`; returns the number of
+    LoRA modules. Refuses a source where a module lacks its A or B matrix."""
+    config, modules = lora.read_adapter(source_dir)
+    tensors = {}
+    for module, pair in sorted(modules.items()):
+        missing = sorted({"A", "B"} - set(pair))
+        if missing:
+            raise ValueError(f"{source_dir}: module {module} has no lora_{missing[0]} tensor; the adapter is incomplete")
+        tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = pair["A"], pair["B"]
+    config = dict(config, target_modules=sorted(set(lora.from_engine_targets(config["target_modules"]))))
+    lora.write_adapter_dir(tensors, config, out_dir, **FORMATS[fmt])
+    return len(modules)
+
+
+def main(argv=None) -> None:
+    import training as T
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="a PEFT adapter folder, or CHECKPOINT:default|old")
+    parser.add_argument("out_dir", help="the folder to write (replaced atomically if it exists)")
+    parser.add_argument("--format", default="peft", choices=sorted(FORMATS), help="default: peft")
+    args = parser.parse_args(argv)
+    try:
+        source = T.resolve_adapter_dir(args.source)
+        if os.path.abspath(source) == os.path.abspath(args.out_dir):
+            raise ValueError(f"{args.out_dir} is the source folder: write the export somewhere else")
+        count = export(source, args.out_dir, args.format)
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    print(f"wrote {args.out_dir} ({args.format} form, {count} LoRA modules) from {source}")
+
+
+if __name__ == "__main__":
+    main()

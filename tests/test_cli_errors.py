@@ -1,0 +1,111 @@
+"""Common mistakes through the real trainer CLI under torchrun (2 ranks), counted in lines: a misspelt flag, an
+undividable batch and a bad dataset row each print ONE line of the trainer's own (rank 0 only, naming the fix;
+"did you mean" for the flag), before torchrun's ChildFailedError summary, which is torchrun's and follows it; the
+tracebacks of every rank go to <output_dir>/train.log, not to the console. The refused resume is counted the same
+way in tests/test_trainers.py::test_exact_resume_and_config_refusal (it needs a checkpoint that test makes). Unit
+checks of the helpers (training/cli.py) run in the default suite."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import train_dppo
+import training as T
+from test_trainers import cli, demo_data, run_trainer  # noqa: F401 (fixture)
+from trainer_runs import error_line, trainer_lines
+
+@pytest.fixture
+def flags(demo_data, tiny_models, tmp_path):  # noqa: F811
+    data = demo_data["qwen_image"]
+    return dict(model_path=os.path.join(tiny_models, "qwen_image"), train_files=data / "train.parquet",
+                output_dir=tmp_path / "run", true_cfg_scale=1.0)
+
+
+def test_misspelt_flag_is_one_line_with_a_suggestion(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_dppo.py"])  # argparse's prog, as on the command line
+    with pytest.raises(SystemExit) as info:
+        train_dppo.parse_args(["--model_path", "m", "--train_files", "t", "--lerning_rate", "1e-4", "--rolout_n", "2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "train_dppo.py: error: unrecognized arguments: --lerning_rate 1e-4 --rolout_n 2; --lerning_rate: did you mean "
+        "--learning_rate?; --rolout_n: did you mean --rollout_n? (see train_dppo.py --help)"]
+    assert T.suggest_flags("unrecognized arguments: --zzz", ["--lr"]) == "unrecognized arguments: --zzz"
+
+
+def test_a_nodes_other_ranks_print_nothing_for_a_mistake_every_rank_sees(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the second rank of a node (a node's first rank prints its own line)
+    with pytest.raises(SystemExit):
+        train_dppo.parse_args(["--model_path", "m", "--train_files", "t", "--lerning_rate", "1e-4"])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("rank, local_rank, error, shown", [
+    (0, 0, T.PreflightError("--height 500: use 496 or 512"), "error: PreflightError: --height 500: use 496 or 512"),
+    (1, 1, T.PreflightError("--height 500: use 496 or 512"), None),  # every rank raised it: rank 0 said it
+    (1, 0, T.RankFailed("step 2 failed on rank 0"), "[rank 1] error: RankFailed: step 2 failed on rank 0"),  # node 1
+    (1, 1, RuntimeError("boom\non two lines"), "[rank 1] error: RuntimeError: boom on two lines"),  # this rank's own
+])
+def test_run_cli_prints_one_line_and_logs_the_traceback(tmp_path, monkeypatch, capsys, rank, local_rank, error,
+                                                        shown):
+    import training.logs as logs
+
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test, whatever tee_console installs
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+
+    def main(argv):
+        T.tee_console(str(tmp_path))
+        raise error
+
+    with pytest.raises(SystemExit) as info:
+        T.run_cli(main)
+    assert info.value.code == 1
+    console = [line for line in capsys.readouterr().err.splitlines() if line]
+    log_path = os.path.join(tmp_path, logs.LOG_FILE)
+    assert console == ([] if shown is None else [f"{shown} (traceback in {log_path})"])
+    log = open(log_path, encoding="utf-8").read()
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    last = f"{type(error).__name__}: {str(error).splitlines()[0]}"  # the traceback's last line, in the log only
+    assert f"{prefix}Traceback (most recent call last):" in log, log
+    assert re.search(rf"^\S+ {re.escape(prefix)}\S*{re.escape(last)}$", log, re.M), log  # after the time
+
+
+def test_run_cli_without_a_log_file_keeps_the_traceback_on_the_console(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+
+    def main(argv):
+        raise ValueError("no log yet")
+
+    with pytest.raises(SystemExit):
+        T.run_cli(main)
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.splitlines()[-1] == "error: ValueError: no log yet"
+
+
+@pytest.mark.slow
+def test_three_mistakes_under_torchrun_print_one_line_each(flags, tmp_path):
+    proc = run_trainer("train_dppo.py", cli(**flags) + ["--lerning_rate", "1e-4"], expect_ok=False)
+    lines = trainer_lines(proc)
+    assert lines == ["train_dppo.py: error: unrecognized arguments: --lerning_rate 1e-4; --lerning_rate: did you "
+                     "mean --learning_rate? (see train_dppo.py --help)"], lines
+    assert proc.stderr.splitlines()[0] == lines[0]  # printed first, before torchrun's summary
+
+    line = error_line(run_trainer("train_dppo.py", cli(**{**flags, "train_batch_size": 3}), expect_ok=False),
+                      flags["output_dir"])
+    assert line.startswith("error: PreflightError: --train_batch_size 3 must be divisible by the 2 trainer ranks: "
+                           "use 2 or 4"), line
+
+    rows = pq.read_table(flags["train_files"]).to_pylist()
+    rows[0]["data_source"] = "aesthetic"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    line = error_line(run_trainer("train_dppo.py", cli(**{**flags, "train_files": tmp_path / "bad.parquet"}),
+                                  expect_ok=False), flags["output_dir"])
+    assert "row 0, column 'data_source': 'aesthetic' names no known reward" in line, line
