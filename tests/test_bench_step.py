@@ -82,6 +82,7 @@ def test_bypass_reproduces_recompute_when_the_gap_is_zero(smoke):
             assert om[key] == bm[key], key
 
 
+@pytest.mark.slow  # uses the module fixture `smoke` (the whole bench_step.py --smoke)
 def test_profile_traces_and_tables(smoke):
     """--profile: every run's trainer rank and rollout worker wrote a gzipped trace of the last step, and its table
     has the phases the trainer timed, with the host reads the loss metrics no longer make."""
@@ -106,6 +107,7 @@ def test_profile_traces_and_tables(smoke):
     assert "top CPU op (self time)s in update_actor" in stdout
 
 
+@pytest.mark.slow  # uses the module fixture `smoke` (the whole bench_step.py --smoke)
 def test_a_large_trace_is_kept_without_its_cpu_ops(smoke, tmp_path):
     """Over the size limit, the kept copy drops the CPU ops (what a device call returns is limited); the table is
     still read from the whole trace."""
@@ -125,6 +127,7 @@ def test_a_large_trace_is_kept_without_its_cpu_ops(smoke, tmp_path):
         "tables"]["trainer-rank0"]
 
 
+@pytest.mark.slow  # uses the module fixture `smoke` (the whole bench_step.py --smoke)
 def test_baseline_json_is_taken_from_an_earlier_run(smoke, tiny_models, tmp_path):
     """--baseline_json: the earlier smoke run's baseline is used as is (no baseline run), the output and the JSON
     say where it came from; a malformed file or one from another machine is refused before anything runs."""

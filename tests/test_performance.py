@@ -372,6 +372,7 @@ def test_a_nonfinite_device_loss_skips_the_step_as_the_host_check_does():
         assert "non-finite input" in reasons[0] and "found at the optimizer step" in reasons[1], reasons
 
 
+@pytest.mark.slow  # two whole trainer runs under torchrun
 @pytest.mark.parametrize("script", ["train_nft.py", "train_dppo.py"])
 def test_trainers_log_the_same_metrics_with_device_and_host_loss_metrics(tiny_models, tmp_path, script):
     """A tiny CPU run (one rank, 2 steps, two micro-batches, two epochs for DPPO so the ratio leaves 1) with
