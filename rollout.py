@@ -1296,15 +1296,18 @@ def handshake_error(ours: dict[str, Any], theirs: Any, *, peer: str) -> str | No
     return None
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int = 0) -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (no orphans even if the trainer is
-    SIGKILLed); elsewhere the worker still exits on EOF of its stdin."""
+    SIGKILLed); elsewhere the worker still exits on EOF of its stdin. `parent_pid`: the pid of the trainer that
+    started this worker; if it died before the signal was armed (this process was already re-parented), exit now."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)  # the trainer is gone: nobody will ever read this worker
 
 
 def _private_stdout():
@@ -1425,8 +1428,9 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--cfg-batch", action="store_true",
                         help="run CFG as one transformer forward over [cond ; uncond] instead of two")
+    parser.add_argument("--parent-pid", type=int, default=0, help="the trainer's pid (exit if it is already gone)")
     args = parser.parse_args(argv)
-    _die_with_parent()
+    _die_with_parent(args.parent_pid)
     # a terminal Ctrl-C (same process group) or a scheduler's SIGTERM must not kill the worker before the trainer
     # has finished its step: the parent closes it (stdin EOF, then SIGKILL; PDEATHSIG if the parent dies)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1649,7 +1653,8 @@ class RolloutGroup:
                 log = open(log_path, "ab")
                 command = [python or sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
                            "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
-                           "--threads", str(threads_per_worker)] + (["--cfg-batch"] if cfg_batch else [])
+                           "--threads", str(threads_per_worker), "--parent-pid", str(os.getpid())] + \
+                    (["--cfg-batch"] if cfg_batch else [])
                 # unbuffered: select() on the pipe then sees every byte the worker wrote
                 process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                            env=worker_env, bufsize=0)

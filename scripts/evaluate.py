@@ -63,9 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for spec in args.adapters:
         if spec != "base":
-            try:
-                T.resolve_adapter_dir(spec)
-            except ValueError as e:
+            try:  # where it is, its checkpoint's sha256 manifest, finiteness: before any model loads
+                T.verify_adapter_spec(spec)
+            except (ValueError, T.CheckpointError) as e:
                 parser.error(f"--adapters {spec}: {e}")
     if not args.model_path or not args.val_files:
         parser.error("--model_path and --val_files are required (or --run_dir)")
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
             with lora.lora_disabled(engine.model.transformer):
                 outcome = T.run_validation(engine, scorer, dataset, args, family=engine.model.family, scale=scale)
         else:
-            path = T.resolve_adapter_dir(spec)
+            path = T.verify_adapter_spec(spec)[0]  # again where it is read (it may have changed since start-up)
             if signature is not None and lora_signature(path) != signature:
                 engine = new_engine()  # another rank / alpha / target list: start from the base weights again
             bound = engine.load_adapter(path, spec)  # raises unless every tensor binds exactly one LoRA module

@@ -24,7 +24,10 @@ One module per section, read in this order (`import training as T` gives every p
    rewards, output folder, one judge request), run by `setup_run` before anything loads.
 9. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
-   so each trainer file holds only its algorithm.
+   the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, so each
+   trainer file holds only its algorithm.
+10. `lifecycle.py`: one live run per --output_dir (an advisory lock file), the parent watchdog of the ranks (no
+   orphans when the torchrun agent dies), heartbeats that name a frozen rank.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from .logs import *  # noqa: F401,F403
 from .step import *  # noqa: F401,F403
 from .preflight import *  # noqa: F401,F403
 from .run import *  # noqa: F401,F403
+from .lifecycle import *  # noqa: F401,F403
 from .model import _full  # noqa: F401  (tests use it on DTensors)
 
-__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight, run)  # noqa: F405
+__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight, run,  # noqa: F405
+                                lifecycle)
            for name in module.__all__]
