@@ -62,10 +62,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: partial, corrupt, or from a different config."""
 
 
-def read_adapter_dir(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a PEFT adapter directory (`read_verified_adapter`: manifest when in a checkpoint, finiteness),
-    keyed like `adapter_state_dict`. Unreadable, malformed or non-finite -> CheckpointError naming the directory."""
-    _, modules = read_verified_adapter(path)
+def read_adapter_dir(path: str, *, manifest: bool = True) -> dict[str, torch.Tensor]:
+    """Tensors of a PEFT adapter directory (`read_verified_adapter`: manifest when in a checkpoint and `manifest`,
+    finiteness always), keyed like `adapter_state_dict`. Unreadable, malformed or non-finite -> CheckpointError
+    naming the directory."""
+    _, modules = read_verified_adapter(path, manifest=manifest)
     return {f"{module}.lora_{ab}.weight": t for module, pair in modules.items() for ab, t in pair.items()}
 
 
@@ -351,20 +352,21 @@ def adapter_checkpoint(adapter_dir: str) -> tuple[str, str] | None:
     return None
 
 
-def read_verified_adapter(adapter_dir: str, *, what: str = "LoRA adapter") -> tuple[dict, dict[str, dict]]:
+def read_verified_adapter(adapter_dir: str, *, what: str = "LoRA adapter",
+                          manifest: bool = True) -> tuple[dict, dict[str, dict]]:
     """`models.lora.read_adapter` of `adapter_dir` after checking it wherever it is read (evaluate, sample,
     --init_adapter, resume): the sha256 of its files against its checkpoint's COMPLETE manifest when it is part of
     one (`adapter_checkpoint`), and always that every tensor is finite (a same-size bit flip or a NaN adapter
-    would otherwise be sampled and scored). Raises CheckpointError naming the folder (`what` says whose), the
-    files or tensors and the fix."""
+    would otherwise be sampled and scored). `manifest=False`: the caller verified the checkpoint already. Raises
+    CheckpointError naming the folder (`what` says whose), the files or tensors and the fix."""
     found = adapter_checkpoint(adapter_dir)
-    if found is not None:
+    if found is not None and manifest:
         ckpt, prefix = found
         verify_checkpoint(ckpt, only=prefix)
     try:
         config, modules = lora.read_adapter(adapter_dir)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{what} {adapter_dir} cannot be read: {type(e).__name__}: {e}") from e
+        raise CheckpointError(f"cannot read {what} {adapter_dir}: {type(e).__name__}: {e}; it is corrupt") from e
     bad = lora.nonfinite_tensors({f"{module}.lora_{ab}": t for module, pair in modules.items()
                                   for ab, t in pair.items()})
     if bad:
@@ -840,7 +842,8 @@ def load_checkpoint(
     check_resume_config(path, state, config, adapter_names=adapter_names, force=force,
                         fingerprint_ignore=fingerprint_ignore)
     for name in adapter_names:
-        load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name)))
+        # the manifest was checked above (sizes on every rank, sha256 on rank 0 unless the caller did)
+        load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name), manifest=False))
     optim_state, rng_states = {}, []
     try:
         optim_state = _load_tensors(path, "optimizer.pt")

@@ -240,13 +240,16 @@ class Run:
         with self._save_lock:
             self.snapshot = gathered if self.rank == 0 else None
 
-    def _write_snapshot(self, why: str) -> str | None:
+    def _write_snapshot(self, why: str, lock_timeout_s: float = 600.0) -> str | None:
         """Rank 0, no collective (safe from a helper thread while the main thread is anywhere): write the held
         state of the last finished step unless it is already on disk; print one line saying so and why. Returns
         the checkpoint path (None when there was nothing to write or the write failed, which is printed too)."""
         if self.rank != 0:
             return None
-        with self._save_lock:
+        if not self._save_lock.acquire(timeout=lock_timeout_s):  # the main thread is inside a save of its own
+            _say(f"not saving the last finished step ({why}): a checkpoint save is still in progress", sys.stderr)
+            return None
+        try:
             snap = self.snapshot
             if snap is None or snap.step <= self.last_saved_step:
                 return None
@@ -258,6 +261,8 @@ class Run:
                      sys.stderr)
                 return None
             self.last_saved_step, self.snapshot = snap.step, None
+        finally:
+            self._save_lock.release()
         _say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s): step {snap.step}, the last finished "
              f"step, written at once ({why})", sys.stdout)
         return path
@@ -274,19 +279,20 @@ class Run:
         parent-death signal)."""
         _say(f"rank {self.rank}: the torchrun agent (pid {old}) died (parent is now {new}): exiting, and its "
              f"rollout workers with it", sys.stderr)
-        self._write_snapshot(f"the torchrun agent pid {old} died")
+        self._write_snapshot(f"the torchrun agent pid {old} died", lock_timeout_s=30.0)
         os._exit(1)
 
-    def fail_with_checkpoint(self, error: BaseException, what: str) -> None:
-        """A fatal error that every rank raises alike (a judge that stays down, a dead rollout worker): write the
-        last finished step before the run ends, unless the error is in the state itself (a divergence, a
-        checkpoint that cannot be written). Collective (rank 0 writes; the others wait for it, so torchrun does
-        not kill rank 0 mid-write when they exit). Re-raises nothing: the caller raises `error`."""
+    def fail_with_checkpoint(self, error: BaseException, what: str, *, agreed: bool = True) -> None:
+        """A fatal error (a judge that stays down, a dead rollout worker, a failed collective): write the last
+        finished step before the run ends, unless the error is in the state itself (a divergence, a checkpoint
+        that cannot be written). `agreed`: every rank raises this error alike, so the others wait for rank 0's
+        write (one barrier; torchrun would otherwise kill rank 0 mid-write once they exit); False for an error of
+        the collective itself, where a barrier would only time out again. The caller raises `error`."""
         if isinstance(error, FATAL_SAVE_EXCLUDED) or getattr(self.args, "save_on_exit", "off") != "last_step":
             return
         first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         self._write_snapshot(f"before stopping on the error in {what}: {type(error).__name__}: {first}")
-        if dist.is_initialized() and self.world > 1:
+        if agreed and dist.is_initialized() and self.world > 1:
             try:
                 dist.barrier()
             except Exception:  # noqa: BLE001 - the error being raised says more
@@ -314,7 +320,7 @@ class Run:
         try:
             raise_if_any_rank_failed(error, what)
         except Exception as e:
-            self.fail_with_checkpoint(e, what)
+            self.fail_with_checkpoint(e, what, agreed=e is error or isinstance(e, RankFailed))
             raise
 
     def validate(self, step: int) -> dict[str, float]:
