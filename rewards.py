@@ -386,8 +386,9 @@ class GenRMHttpReader:
             down = is_unreachable(last_error)
             unreachable += down
             sleep = genrm_backoff(self.backoff_s, attempts - 1)
-            if down and time.monotonic() - first + sleep <= self.retry_total_s:
-                pass  # a judge that is down (restarting): retried on time, not counted
+            left = self.retry_total_s - (time.monotonic() - first)
+            if down and left > 0:  # a judge that is down (restarting): retried on time, not counted,
+                sleep = min(sleep, left)  # the last attempt at the end of --genrm_retry_total_s
             elif counted < self.max_retries:
                 counted += 1
             else:
@@ -1068,7 +1069,8 @@ class RewardScorer:
                     self._ocr_reader = GenRMHttpReader(
                         c.genrm_url, c.genrm_model, c.sampling, concurrency=c.genrm_concurrency,
                         timeout_s=c.genrm_timeout_s, max_retries=c.genrm_max_retries, backoff_s=c.genrm_backoff_s,
-                        retry_total_s=c.genrm_retry_total_s, api_key=os.environ.get(c.genrm_api_key_env) if c.genrm_api_key_env else None)
+                        retry_total_s=c.genrm_retry_total_s,
+                        api_key=os.environ.get(c.genrm_api_key_env) if c.genrm_api_key_env else None)
                 elif c.ocr_backend == "local":
                     self._ocr_reader = GenRMLocalReader(c.genrm_model_path or c.genrm_model, c.sampling,
                                                         device=_resolve_device(c.genrm_device),

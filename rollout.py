@@ -753,6 +753,10 @@ def write_engine_adapter(adapter_dir: str, out_dir: str) -> int:
         raise ValueError(f"{adapter_dir}: target_modules must be a list of module names, got {targets!r}")
     config = dict(config, target_modules=lora.from_engine_targets(targets))
     tensors = {f"{path}.lora_{x}.weight": ab[x] for path, ab in modules.items() for x in ("A", "B")}
+    bad = lora.nonfinite_tensors(tensors)
+    if bad:  # vllm-omni binds what it is given: refuse here what bind_adapter refuses for the native engine
+        raise ValueError(f"{adapter_dir}: {len(bad)} LoRA tensors hold NaN/inf (e.g. {bad[:3]}); refusing to hand "
+                         f"a corrupt adapter to the engine")
     lora.write_adapter_dir(tensors, config, out_dir, engine_names=True, key_prefix="base_model.model.")
     return len(modules)
 

@@ -30,6 +30,10 @@ resolve() { python3 -c "import sys; from models import resolve_model_path; print
 PICKSCORE=$(resolve "$REWARD_MODEL_PATH")
 PICKSCORE_PROCESSOR=$(resolve "$PICKSCORE_PROCESSOR_PATH")
 
+# torchrun SIGKILLs the ranks this long after forwarding a SIGTERM / SIGINT (its default: 30 s). The last finished
+# step is written at once on the signal; this leaves the step in progress time to finish and save too. torch
+# 2.14's torchrun reads it as the default of its --shutdown-timeout.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 torchrun --nproc_per_node="$NPROC" train_nft.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
   --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \

@@ -37,6 +37,10 @@ GENRM_PID=$(bash scripts/serve_genrm.sh --model "$REWARD_MODEL_PATH" --port "$GE
   --log "$OUTPUT_DIR/genrm_server.log" | tail -n 1)
 trap 'kill "$GENRM_PID" 2>/dev/null || true' EXIT
 
+# torchrun SIGKILLs the ranks this long after forwarding a SIGTERM / SIGINT (its default: 30 s). The last finished
+# step is written at once on the signal; this leaves the step in progress time to finish and save too. torch
+# 2.14's torchrun reads it as the default of its --shutdown-timeout.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 torchrun --nproc_per_node="$NPROC" train_dppo.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
   --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \

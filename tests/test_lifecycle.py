@@ -142,8 +142,8 @@ def ocr_data(demo_data, tmp_path) -> str:  # noqa: F811
 
 
 def base_flags(tiny_models, demo_data, out, **flags) -> list[str]:  # noqa: F811
-    return cli(model_path=os.path.join(tiny_models, "qwen_image"), train_files=demo_data["qwen_image"] /
-               "train.parquet", lr=1e-2, output_dir=out, resume="auto", **flags)
+    return cli(**{"model_path": os.path.join(tiny_models, "qwen_image"), "train_files": demo_data["qwen_image"] /
+                  "train.parquet", "lr": 1e-2, "output_dir": out, "resume": "auto", **flags})
 
 
 def children(pid: int) -> list[int]:
@@ -177,7 +177,8 @@ def kill_group(trainer: Trainer) -> None:
 
 
 @pytest.mark.slow
-def test_one_live_run_per_folder_and_no_orphans_when_the_agent_is_killed(demo_data, tiny_models, tmp_path):  # noqa: F811
+def test_one_live_run_per_folder_and_no_orphans_when_the_agent_is_killed(demo_data, tiny_models,  # noqa: F811
+                                                                          tmp_path):
     """A second run into a live run's folder is refused in one line naming it, before any model loads; kill -9 of
     the first run's torchrun agent ends its rank and rollout worker within seconds (the rank's parent watchdog,
     the worker's parent-death signal), the rank first writing its last finished step; a relaunch takes over the
@@ -261,7 +262,8 @@ class DoorSlam:
         self.sock.listen(64)
         self.connections = 0
         self.open = True
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         while self.open:
@@ -274,7 +276,13 @@ class DoorSlam:
             conn.close()  # RST
 
     def close(self) -> None:
+        """Stop listening (shutdown wakes the blocked accept, so the port is free for the judge again)."""
         self.open = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.thread.join(timeout=10)
         self.sock.close()
 
 
@@ -362,7 +370,8 @@ def test_a_frozen_rank_is_named(demo_data, tiny_models, tmp_path):  # noqa: F811
     HEARTBEAT_STALE_S, and again when its collective times out, instead of a bare gloo timeout. Slow (~2 min)."""
     out = tmp_path / "run"
     argv = base_flags(tiny_models, demo_data, out, total_training_steps=20, save_freq=100, rollout_timeout_s=20,
-                      rollout_startup_timeout_s=60, collective_timeout_s=75)
+                      rollout_startup_timeout_s=60, collective_timeout_s=75,
+                      ocr_backend="rapidocr")  # no judge phase to outlast (the demo rows score jpeg_compressibility)
     run = Trainer("train_dppo.py", argv, torchrun=["--nproc_per_node", "2", "--master_port", str(free_port())])
     try:
         run.wait_for("step 1/20")

@@ -49,7 +49,8 @@ from .model import ADAPTER_DEFAULT, _full, adapter_state_dict, load_adapter_stat
 from .data import PromptSampler
 
 __all__ = [
-    "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "MARKER", "CHECKPOINT_FORMAT", "RESUME_BLOCKING", "RESUME_LOGGED",
+    "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "MARKER",
+    "CHECKPOINT_FORMAT", "RESUME_BLOCKING", "RESUME_LOGGED",
     "RESUME_PATHS", "RESUME_MUTABLE_KEYS", "config_fingerprint", "content_fingerprints", "path_fingerprint",
     "sha256_file", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
     "GatheredState", "gather_checkpoint", "write_checkpoint", "save_gathered",
@@ -116,7 +117,8 @@ RESUME_LOGGED: frozenset[str] = frozenset({
     "init_adapter", "val_adapter",
     # the reward servers and devices
     "genrm_url", "genrm_device", "genrm_batch_size", "genrm_concurrency", "genrm_timeout_s", "genrm_max_retries",
-    "genrm_backoff_s", "genrm_retry_total_s", "allow_negative_reward_weights", "rapidocr_threads", "rapidocr_workers", "pickscore_device", "pickscore_cache_dir", "pickscore_batch_size",
+    "genrm_backoff_s", "genrm_retry_total_s", "allow_negative_reward_weights", "rapidocr_threads", "rapidocr_workers",
+    "pickscore_device", "pickscore_cache_dir", "pickscore_batch_size",
 })
 RESUME_PATHS: dict[str, bool] = {
     "model_path": True, "train_files": True, "val_files": False, "genrm_model_path": True, "pickscore_path": True,
@@ -451,28 +453,13 @@ def write_checkpoint(root: str, gathered: GatheredState, *, keep_last: int | Non
     return final
 
 
-def save_checkpoint(
-    root: str,
-    step: int,
-    *,
-    transformer: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lora_config,
-    config: Mapping[str, Any],
-    sampler: PromptSampler | None = None,
-    adapter_names: Sequence[str] = (ADAPTER_DEFAULT,),
-    trainer_state: Mapping[str, Any] | None = None,
-    fingerprint_ignore: Iterable[str] = RESUME_MUTABLE_KEYS,
-    keep_last: int | None = None,
-) -> str:
+def save_checkpoint(root: str, step: int, *, keep_last: int | None = None, **state: Any) -> str:
     """Save everything needed to resume at `step` to `<root>/step_XXXXXXXX`; return that path. Collective:
-    `gather_checkpoint` on every rank, `write_checkpoint` on rank 0, its error raised on every rank.
-    trainer_state: JSON-able extras (e.g. GradStepper.state_dict()). keep_last: delete older complete checkpoints
-    beyond this many, only after the new one is in place."""
-    gathered = gather_checkpoint(step, transformer=transformer, optimizer=optimizer, lora_config=lora_config,
-                                 config=config, sampler=sampler, adapter_names=adapter_names,
-                                 trainer_state=trainer_state, fingerprint_ignore=fingerprint_ignore)
-    return save_gathered(root, gathered, keep_last=keep_last)
+    `gather_checkpoint(step, **state)` on every rank (`state`: its keyword arguments: transformer, optimizer,
+    lora_config, config, sampler, adapter_names, trainer_state (JSON-able extras, e.g. GradStepper.state_dict()),
+    fingerprint_ignore), `write_checkpoint` on rank 0, its error raised on every rank. keep_last: delete older
+    complete checkpoints beyond this many, only after the new one is in place."""
+    return save_gathered(root, gather_checkpoint(step, **state), keep_last=keep_last)
 
 
 def save_gathered(root: str, gathered: GatheredState, *, keep_last: int | None = None) -> str:

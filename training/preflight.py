@@ -5,15 +5,16 @@ row, output folder or judge stops the run within seconds with one message naming
 
 In order: the flags (`check_flags`: counts, timeouts, batch sizes against the world size, rollout_n >= 2 (the
 advantages are group-relative) and the micro-batch size, a negative reward weight without
---allow_negative_reward_weights, CUDA rollout devices on a host without CUDA, the collective timeout); the image size for the model family (`models.check_size_for`: reads
-model_index.json and vae/config.json only); every row of --train_files and --val_files (`check_datasets`: the
-dataset's own row checks, a non-empty prompt, a data_source that names a reward, the ground truth a multi-reward
-needs, enough validation prompts for the ranks, at least --train_batch_size training rows); what each reward needs
-(`check_rewards`: a PickScore folder); --init_adapter (`check_init_adapter`: its manifest, finite tensors, this run's
-rank and alpha); the output folder and its checkpoints/ can be written (`check_output_dir`); the prompts that
-Qwen-Image's --max_sequence_length cuts (`truncated_prompts`: counted, warned once by `setup_run`); one tiny request to the judge when an
-OCR reward is scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here: --reward_weights
-refuses it at parse time (`rewards.reward_weights_arg`).
+--allow_negative_reward_weights, CUDA rollout devices on a host without CUDA, the collective timeout); the image
+size for the model family (`models.check_size_for`: reads model_index.json and vae/config.json only); every row of
+--train_files and --val_files (`check_datasets`: the dataset's own row checks, a non-empty prompt, a data_source
+that names a reward, the ground truth a multi-reward needs, enough validation prompts for the ranks, at least
+--train_batch_size training rows); what each reward needs (`check_rewards`: a PickScore folder); --init_adapter
+(`check_init_adapter`: this run's rank and alpha; the flag's type verified its manifest and finiteness); the output
+folder and its checkpoints/ can be written (`check_output_dir`); the prompts that Qwen-Image's --max_sequence_length
+cuts (`truncated_prompts`: counted, warned once by `setup_run`); one tiny request to the judge when an OCR reward is
+scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here: --reward_weights refuses it at
+parse time (`rewards.reward_weights_arg`).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def check_reward_signs(args) -> None:
 
 
 def check_rollout_devices(args) -> None:
-    """--rollout_devices cuda:k on a host where torch sees no CUDA device: refused before any worker starts (it would fail minutes later, in every worker's model load)."""
+    """--rollout_devices cuda:k on a host where torch sees no CUDA device: refused before any worker starts (it
+    would fail minutes later, in every worker's model load)."""
     import torch
 
     devices = [d.strip() for d in args.rollout_devices.split(",")]
@@ -109,17 +111,20 @@ def check_rollout_devices(args) -> None:
 
 
 def check_init_adapter(args) -> None:
-    """--init_adapter: found, verified (its checkpoint's sha256 manifest, finite tensors) and of this run's LoRA
-    rank and alpha, read from its adapter_config.json and tensors only (no model)."""
-    from .checkpoint import CheckpointError
-    from .step import init_adapter_mismatch, verify_adapter_spec
+    """--init_adapter: of this run's LoRA rank and alpha, read from its adapter_config.json (no model). The flag's
+    type (`adapter_arg`) verified the adapter itself at parse time (manifest, finiteness); it is verified again
+    where it is loaded."""
+    from models import lora
+    from models.base import read_json
+
+    from .step import init_adapter_mismatch, resolve_adapter_dir
 
     spec = getattr(args, "init_adapter", None)
     if not spec:
         return
     try:
-        _, config, _ = verify_adapter_spec(spec)
-    except (ValueError, CheckpointError) as e:
+        config = read_json(os.path.join(resolve_adapter_dir(spec), lora.ADAPTER_CONFIG), "LoRA adapter config")
+    except (ValueError, OSError) as e:
         raise PreflightError(f"--init_adapter {spec}: {e}") from None
     problem = init_adapter_mismatch(spec, config, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
     if problem:

@@ -459,7 +459,10 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
         watch_parent(lambda old, new: orphaned[0](old, new))
     # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
     # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
-    check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except PreflightError as e:  # a refusal, not a crash: its one message, no traceback
+        raise SystemExit(f"{type(e).__name__}: {e}") from None
     group_timeout_s = collective_timeout_s(args)  # the main group's and the rollout node subgroups'
     dist_info = init_distributed(resolve_device(args.device), timeout_s=group_timeout_s)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size

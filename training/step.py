@@ -32,7 +32,8 @@ __all__ = [
     "add_common_args", "resolve_device", "guidance_of", "guidance_for", "rollout_request", "score_samples",
     "global_advantages",
     "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes",
-    "resolve_adapter_dir", "adapter_arg", "verify_adapter_spec", "init_adapter_mismatch", "load_init_adapter", "ValidationOutcome", "run_validation", "validate",
+    "resolve_adapter_dir", "adapter_arg", "verify_adapter_spec", "init_adapter_mismatch", "load_init_adapter",
+    "ValidationOutcome", "run_validation", "validate",
     "prune_rollout_adapters", "clean_rollout_adapters", "score_inputs", "RewardStream", "rollout_and_score",
     "submit_rollout", "peek_batch", "lag_next_rollout", "check_rollout_lag", "publish_adapter_tensors",
     "publish_tensors", "JUDGE_LOG", "judge_records", "log_judge_replies", "nonfinite_rows", "score_finite",
@@ -411,8 +412,10 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
         log_judge_replies(run.args.output_dir, judge_records(rows, run.args.rollout_n, scored, phase="train",
                                                              step=step))
     if too_empty:
+        backend = run.args.ocr_backend
+        which = f"--genrm_url {run.args.genrm_url}" if backend == "http" else f"--ocr_backend {backend}"
         error = JudgeRepliesEmpty(
-            f"the OCR judge (--genrm_url {run.args.genrm_url}) returned empty replies for {empty} of the {judged} "
+            f"the OCR judge ({which}) returned empty replies for {empty} of the {judged} "
             f"samples it read in step {step} ({empty / judged:.0%} > --judge_max_empty_frac {limit:g}): a judge that "
             f"reads nothing trains on zero rewards. Its replies are in {os.path.join(run.args.output_dir, JUDGE_LOG)}; "
             f"check the served model and its prompt, then --resume auto")
