@@ -202,3 +202,33 @@ def test_prompts_beyond_the_text_encoder_length_are_counted(flags, tmp_path):  #
     assert cut["count"] == 1 and cut["rows"] == ["--train_files row 2"] and cut["longest"] > 256
     assert cut["total"] == len(pq.read_table(long)) + len(pq.read_table(flags["val_files"]))
     assert "truncated_prompts" not in T.run_preflight(train_dppo.parse_args(cli(**flags)), 1)
+
+
+@pytest.mark.slow
+def test_run_length_below_the_checkpoint_is_refused_before_the_model_and_a_long_prompt_is_warned_once(
+        demo_data, tiny_models, tmp_path):  # noqa: F811
+    """Through the real CLI: a run whose one prompt is longer than --max_sequence_length warns once; relaunched with
+    --total_training_steps below its checkpoint's step it is refused, and equal to it it has nothing to do, both
+    before the model loads. Slow: three trainer launches (~1 min)."""
+    from test_trainers import run_trainer
+
+    def lengthen(rows):
+        rows[1]["prompt"][-1]["content"] = "grand opening " * 200  # ~400 tokens
+
+    data = rewrite(demo_data["qwen_image"] / "train.parquet", tmp_path / "long.parquet", lengthen)
+    out = tmp_path / "run"
+    argv = cli(model_path=os.path.join(tiny_models, "qwen_image"), train_files=data, lr=1e-2, output_dir=out,
+               resume="auto", max_sequence_length=128, total_training_steps=2)
+    first = run_trainer("train_dppo.py", argv, nproc=1)
+    warnings = [line for line in first.stdout.splitlines() if line.startswith("WARNING: ")]
+    assert len(warnings) == 1 and re.match(r"WARNING: 1 of 56 prompts are longer than --max_sequence_length 128 "
+                                           r"tokens \(the longest \d+\) and are cut .*--train_files row 1", warnings[0])
+    shorter = run_trainer("train_dppo.py", [*argv, "--total_training_steps", "1"], nproc=1, expect_ok=False)
+    assert shorter.returncode != 0
+    assert re.search(rf"PreflightError: --total_training_steps 1 is below the step of the checkpoint to resume "
+                     rf"\({re.escape(str(out))}/checkpoints/step_00000002, step 2\): pass --total_training_steps 2 or "
+                     r"more", shorter.stderr), shorter.stderr[-3000:]
+    same = run_trainer("train_dppo.py", argv, nproc=1)
+    assert f"nothing to do: {out}/checkpoints/step_00000002 is at step 2 = --total_training_steps" in same.stdout
+    for proc in (shorter, same):
+        assert "loading the transformer" not in proc.stdout
