@@ -90,7 +90,8 @@ def summary(samples: list[dict], metrics: dict[str, float]) -> list[tuple[str, i
     for key, mean in sorted(metrics.items()):
         if key.startswith("val-core/"):
             _, source, var, _ = key.split("/")
-            values = np.asarray([s[var] for s in samples if s["data_source"] == source], dtype=np.float64)
+            values = np.asarray([s[var] for s in samples if s["data_source"] == source and not s.get("nonfinite")],
+                                dtype=np.float64)
             rows.append((key, len(values), mean, float(values.std())))
     return rows
 
@@ -142,6 +143,12 @@ def main(argv=None) -> None:
     if rank == 0:
         write_report(args, results)
     T.cleanup_distributed()
+    broken = [f"{r['adapter']}: {int(r['metrics']['val-aux/nonfinite_samples'])} of {len(r['samples'])}"
+              for r in results if r["metrics"].get("val-aux/nonfinite_samples")]
+    if broken:  # its images are not a policy's: never scored, and the run says so rather than ranking it
+        raise SystemExit(f"evaluate: samples came back non-finite (NaN/inf latents), were not scored and are left "
+                         f"out of the means: {'; '.join(broken)}; that adapter is broken (its metrics.json entry "
+                         f"counts them as val-aux/nonfinite_samples)")
 
 
 def write_report(args, results: list[dict]) -> None:

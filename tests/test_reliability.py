@@ -232,3 +232,40 @@ def test_run_length_below_the_checkpoint_is_refused_before_the_model_and_a_long_
     assert f"nothing to do: {out}/checkpoints/step_00000002 is at step 2 = --total_training_steps" in same.stdout
     for proc in (shorter, same):
         assert "loading the transformer" not in proc.stdout
+
+
+def test_validation_never_scores_non_finite_samples_and_counts_them(demo_data):  # noqa: F811
+    """run_validation (in-training validation and scripts/evaluate.py): a sample with NaN latents is not scored,
+    its record says so, the val-core means are over the others and val-aux/nonfinite_samples counts it (a NaN
+    policy's black images used to rank best)."""
+    import argparse
+
+    from data_prep.dataset import PromptDataset
+
+    dataset = PromptDataset(demo_data["qwen_image"] / "test.parquet", guidance=False)
+
+    class Client:
+        def generate(self, request):
+            n = len(request)
+            result = rollout.RolloutResult(
+                images=torch.full((n, 3, 8, 8), 255, dtype=torch.uint8), latents_clean=torch.zeros(n, 2, 3),
+                prompt_embeds=torch.zeros(n, 2, 8), prompt_mask=torch.ones(n, 2, dtype=torch.int64),
+                seeds=list(request.seeds), metadata={})
+            result.latents_clean[1] = float("nan")
+            return result
+
+    seen = []
+
+    class Scorer(R.RewardScorer):
+        def score_batch(self, images, ground_truths, data_sources, extra_infos=None):
+            seen.extend(ground_truths)
+            return super().score_batch(images, ground_truths, data_sources, extra_infos)
+
+    args = argparse.Namespace(val_max_samples=4, val_seed=42, val_num_inference_steps=2, height=64, width=64,
+                              num_val_images=0)
+    outcome = T.run_validation(Client(), Scorer(), dataset, args, family="qwen_image", scale=1.0)
+    assert seen == [dataset[i].ground_truth for i in (0, 2, 3)]  # sample 1 never reached the reward
+    assert outcome.samples[1]["nonfinite"] is True and outcome.samples[1]["reward"] != outcome.samples[1]["reward"]
+    assert outcome.metrics["val-aux/nonfinite_samples"] == 1.0
+    finite = [s["reward"] for k, s in enumerate(outcome.samples) if k != 1]
+    assert outcome.metrics["val-core/jpeg_compressibility/reward/mean@1"] == pytest.approx(sum(finite) / 3)

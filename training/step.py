@@ -796,7 +796,8 @@ def run_validation(rollout_client, scorer, dataset, args, *, family: str, scale:
     one sample per prompt with seed `rollout.row_seed(--val_seed, 1, prompt index)` (so the numbers do not depend
     on the world size or batching), noise 0, --val_num_inference_steps, --height x --width, CFG `scale`; rewards
     from `scorer`; `val-core/<data_source>/reward/mean@1` + val-aux extras (`validation_metrics`) over every
-    rank's samples, plus `timing_s/testing`. `rollout_client`: anything with `generate(RolloutRequest)` (the
+    rank's samples that came back finite, `val-aux/nonfinite_samples` (the others: never scored, their records'
+    reward NaN and "nonfinite": True), plus `timing_s/testing`. `rollout_client`: anything with `generate(RolloutRequest)` (the
     trainers' DistributedRollout, evaluate.py's NativeEngine). Collective."""
     world, rank = get_world_size(), get_rank()
     total = len(dataset) if not args.val_max_samples else min(len(dataset), args.val_max_samples)
@@ -810,20 +811,25 @@ def run_validation(rollout_client, scorer, dataset, args, *, family: str, scale:
                                   num_inference_steps=args.val_num_inference_steps, height=args.height,
                                   width=args.width, family=family, scale=scale, noise_level=0.0)
         result = rollout_client.generate(request)
-        scored = score_samples(scorer, result.images, rows, 1)
+        bad = nonfinite_rows(result)  # never scored: their images are not a policy's samples
+        scored = score_samples(scorer, result.images, rows, 1, bad)
     local = []
     for j, row in enumerate(rows):
         record = {"index": row.index, "data_source": row.data_source, "ground_truth": row.ground_truth,
                   "prompt": prompt_text(row.prompt), "seed": request.seeds[j], "reward": float(scored.rewards[j])}
         record.update({key: float(values[j]) for key, values in sorted(scored.extras.items())})
         record.update({key: texts[j] for key, texts in sorted(scored.texts.items()) if texts[j] is not None})
+        if j in bad:
+            record.update(reward=float("nan"), nonfinite=True)
         local.append(record)
     samples = [record for part in all_gather_objects(local) for record in part]
-    variables = sorted({k for r in samples for k, v in r.items() if isinstance(v, float)}  # texts are not scores
+    finite = [r for r in samples if not r.get("nonfinite")]  # the metrics are over the samples that were scored
+    variables = sorted({k for r in finite for k, v in r.items() if isinstance(v, float)}  # texts are not scores
                        - {"index", "data_source", "ground_truth", "prompt", "seed"})
-    scores = {k: [r.get(k, float("nan")) for r in samples] for k in variables}  # "reward" + the reward extras
-    metrics = validation_metrics([r["data_source"] for r in samples], scores)
+    scores = {k: [r.get(k, float("nan")) for r in finite] for k in variables}  # "reward" + the reward extras
+    metrics = validation_metrics([r["data_source"] for r in finite], scores) if finite else {}
     metrics = {k: v for k, v in metrics.items() if v == v}  # extras absent for a data source give NaN: drop them
+    metrics["val-aux/nonfinite_samples"] = float(len(samples) - len(finite))
     metrics.update(timings)
     images = gather_first_images(result.images, start, args.num_val_images)
     return ValidationOutcome(metrics, samples, images, result.images, start)
@@ -846,4 +852,8 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
             logger.log_image("val/samples", image_grid(outcome.images, captions), step)
         core = {key: v for key, v in outcome.metrics.items() if key.startswith("val-core/")}
         print(f"validation @ step {step}: " + ", ".join(f"{key} {v:.4f}" for key, v in core.items()), flush=True)
+        bad = int(outcome.metrics["val-aux/nonfinite_samples"])
+        if bad:
+            print(f"WARNING: validation @ step {step}: {bad} of {len(outcome.samples)} samples came back non-finite "
+                  f"(NaN/inf latents): not scored, left out of the val-core means", flush=True)
     return outcome.metrics
