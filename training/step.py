@@ -239,7 +239,7 @@ def score_samples(scorer, images: torch.Tensor, rows: Sequence[Any], n: int, bad
 def nonfinite_rows(result) -> list[int]:
     """The rows of a `RolloutResult` whose sampled latents (and, where returned, trajectory, log-probs and
     transition means) hold NaN/inf: their uint8 images are garbage (NaN casts to black), never a policy's sample."""
-    bad = torch.zeros(len(result), dtype=torch.bool)
+    bad = torch.zeros(len(result.images), dtype=torch.bool)  # one image per row
     for name in ("latents_clean", "all_latents", "all_log_probs", "all_means"):
         t = getattr(result, name, None)
         if torch.is_tensor(t) and t.is_floating_point():
