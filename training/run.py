@@ -438,13 +438,16 @@ class Run:
 
 
 def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
-    """Both trainers' setup, in order: the model-free start-up checks (`training.preflight`: flags, sizes, every
-    dataset row, output folder, judge), distributed init (collective timeout from the flags) and seeds; the console
-    log file; TensorBoard and run metadata (config, versions, git commit); the model (transformer only), LoRA
-    adapters `adapter_names` + FSDP2 (`default` from --init_adapter when given); AdamW and the lr schedule; train/val data, the sampler and the
-    batch-size checks; the reward scorer; `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr
-    schedule); the rollout workers of this node. Adapters are NOT yet synced to the workers: the trainer does
-    that with the adapter its algorithm samples from."""
+    """Both trainers' setup, in order: under torchrun, the parent watchdog (a rank whose agent died exits); the
+    model-free start-up checks (`training.preflight`: flags, sizes, every dataset row, --init_adapter, output folder,
+    judge; a refusal exits with its one line), distributed init (collective timeout from the flags); the run lock
+    of --output_dir (`lifecycle.RunLock`, rank 0); the console log file, the heartbeats (several ranks) and seeds;
+    `--resume` decided model-free (`prepare_output_dir`); TensorBoard and run metadata (config, versions, git
+    commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2 (`default` from --init_adapter when
+    given); AdamW and the lr schedule; train/val data, the sampler and the batch-size checks; the reward scorer;
+    `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr schedule); the rollout workers of this
+    node; the SIGTERM/SIGINT handling (`StopSignals`, with the at-once write of the last finished step). Adapters
+    are NOT yet synced to the workers: the trainer does that with the adapter its algorithm samples from."""
     from data_prep.dataset import PromptDataset
     from models import resolve_model_path
     import rewards
