@@ -261,7 +261,9 @@ class GenRMHttpReader:
     timeout bounds each read, the body is read in chunks with the deadline checked before each, and a watchdog shuts
     the socket down at the deadline (which also ends a read stuck in the header parsing). Connection errors, missed
     deadlines, HTTP 408/429/5xx and malformed replies are retried `max_retries` times with exponential backoff
-    (`backoff_s`, doubling), so one request takes at most `request_budget_s()`; other HTTP errors (400, 404, ...)
+    (`backoff_s`, doubling up to GENRM_MAX_BACKOFF_S); a judge that cannot be reached at all (refused, reset: a
+    restart) is retried on time instead, for up to `retry_total_s` since the first attempt, so a restart of a
+    minute is ridden out. One request takes at most `request_budget_s()`; other HTTP errors (400, 404, ...)
     are not retried. When a request still fails, the whole batch raises `GenRMServerError` naming the URL, the
     image and the last error: a failed judge never becomes a zero reward.
 
@@ -273,7 +275,7 @@ class GenRMHttpReader:
 
     def __init__(self, url: str, model: str, sampling: SamplingConfig, *, concurrency: int = 32,
                  timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 1.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, retry_total_s: float = 0.0):
         if concurrency < 1:
             raise ValueError(f"GenRM concurrency must be >= 1, got {concurrency}")
         if not timeout_s > 0:
@@ -287,12 +289,13 @@ class GenRMHttpReader:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.retry_total_s = retry_total_s
         self.api_key = api_key
         self._pool = DaemonThreadPool(concurrency, name="genrm")
 
     def request_budget_s(self) -> float:
         """The longest one request can take: every attempt's deadline plus the backoff sleeps between them."""
-        return genrm_request_budget_s(self.timeout_s, self.max_retries, self.backoff_s)
+        return genrm_request_budget_s(self.timeout_s, self.max_retries, self.backoff_s, self.retry_total_s)
 
     def request_body(self, image: Image.Image) -> dict:
         body = {
@@ -369,11 +372,12 @@ class GenRMHttpReader:
     def _transcribe_one(self, image: Image.Image) -> str:
         payload = json.dumps(self.request_body(image)).encode("utf-8")
         last_error: BaseException | None = None
-        first = next(self._turn)
-        for attempt in range(self.max_retries + 1):
-            if attempt > 0:
-                time.sleep(self.backoff_s * (2 ** (attempt - 1)))
-            endpoint = self.endpoints[(first + attempt) % len(self.endpoints)]  # a retry goes to the next replica
+        start = time.monotonic()
+        turn = next(self._turn)
+        attempts = unreachable = counted = 0
+        while True:
+            endpoint = self.endpoints[(turn + attempts) % len(self.endpoints)]  # a retry goes to the next replica
+            attempts += 1
             try:
                 return self._post_once(payload, endpoint)
             except _HttpStatus as exc:
@@ -383,12 +387,26 @@ class GenRMHttpReader:
                         f"GenRM server {endpoint.url} rejected the request (not retried): {exc}") from exc
             except (OSError, http.client.HTTPException, _DeadlineExceeded, _MalformedReply) as exc:
                 last_error = exc
+            down = is_unreachable(last_error)
+            unreachable += down
+            sleep = genrm_backoff(self.backoff_s, attempts - 1)
+            left = self.retry_total_s - (time.monotonic() - start)
+            if down and left > 0:  # a judge that is down (restarting): retried on time, not counted,
+                sleep = min(sleep, left)  # the last attempt at the end of --genrm_retry_total_s
+            elif counted < self.max_retries:
+                counted += 1
+            else:
+                break
+            time.sleep(sleep)
         what = "its reply is not a transcription: " if isinstance(last_error, _MalformedReply) else ""
         if len(self.endpoints) > 1:
             what = f"(the last from {endpoint.url}) " + what
         raise GenRMServerError(
-            f"GenRM server {self.url} failed {self.max_retries + 1} attempt(s) (timeout {self.timeout_s:g}s "
-            f"each, a deadline over the whole reply): {what}{last_error}. Check that the server is up "
+            f"GenRM server {self.url} failed {attempts} attempt(s) in {time.monotonic() - start:.1f} s (timeout "
+            f"{self.timeout_s:g}s each, a deadline over the whole reply; {unreachable} could not connect, retried "
+            f"for up to --genrm_retry_total_s {self.retry_total_s:g} s with a backoff from {self.backoff_s:g} s "
+            f"doubling up to {GENRM_MAX_BACKOFF_S:g} s; other failures retried --genrm_max_retries "
+            f"{self.max_retries} time(s)): {what}{last_error}. Check that the server is up "
             f"(scripts/serve_genrm.sh waits for /health), that --genrm_url points at it and that it serves an "
             f"OpenAI-compatible /v1/chat/completions."
         ) from last_error
@@ -407,9 +425,28 @@ class GenRMHttpReader:
         return [f.result() for f in futures]
 
 
-def genrm_request_budget_s(timeout_s: float, max_retries: int, backoff_s: float) -> float:
-    """Longest a judge request can take: (max_retries + 1) deadlines of timeout_s + the doubling backoff sleeps."""
-    return (max_retries + 1) * timeout_s + sum(backoff_s * 2 ** k for k in range(max_retries))
+GENRM_MAX_BACKOFF_S = 10.0  # the longest sleep between two attempts: a judge back up is seen within 10 s
+
+
+def genrm_backoff(backoff_s: float, retry: int) -> float:
+    """The sleep before retry number `retry` + 1 (0-based): backoff_s doubling, capped at GENRM_MAX_BACKOFF_S."""
+    return min(backoff_s * 2 ** retry, max(backoff_s, GENRM_MAX_BACKOFF_S))
+
+
+def is_unreachable(error: BaseException | None) -> bool:
+    """Whether a failed attempt never reached a judge: refused, reset or aborted before a reply, no route (what a
+    restarting server gives); deadlines, HTTP statuses and malformed replies are not."""
+    return isinstance(error, (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
+                              http.client.RemoteDisconnected)) or (
+        isinstance(error, OSError) and getattr(error, "errno", None) in (113, 101))  # EHOSTUNREACH, ENETUNREACH
+
+
+def genrm_request_budget_s(timeout_s: float, max_retries: int, backoff_s: float, retry_total_s: float = 0.0) -> float:
+    """An upper bound of how long a judge request can take: (max_retries + 1) deadlines of timeout_s and the
+    backoff sleeps between them, plus, with `retry_total_s` > 0, the time a judge that cannot be reached is
+    retried for and one more attempt's deadline."""
+    counted = (max_retries + 1) * timeout_s + sum(genrm_backoff(backoff_s, k) for k in range(max_retries))
+    return counted + (retry_total_s + timeout_s if retry_total_s > 0 else 0.0)
 
 
 def parse_chat_content(body: bytes) -> str:
@@ -909,6 +946,7 @@ class RewardConfig:
     genrm_timeout_s: float = 120.0
     genrm_max_retries: int = 3
     genrm_backoff_s: float = 1.0
+    genrm_retry_total_s: float = 0.0
     genrm_api_key_env: str = "GENRM_API_KEY"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     rapidocr_det_limit_side_len: int = 960
@@ -938,7 +976,7 @@ class RewardConfig:
             genrm_model_path=args.genrm_model_path, genrm_device=args.genrm_device,
             genrm_batch_size=args.genrm_batch_size, genrm_concurrency=args.genrm_concurrency,
             genrm_timeout_s=args.genrm_timeout_s, genrm_max_retries=args.genrm_max_retries,
-            genrm_backoff_s=args.genrm_backoff_s,
+            genrm_backoff_s=args.genrm_backoff_s, genrm_retry_total_s=getattr(args, "genrm_retry_total_s", 0.0),
             sampling=SamplingConfig(args.genrm_temperature, args.genrm_top_p, args.genrm_max_tokens, args.genrm_seed),
             rapidocr_det_limit_side_len=args.rapidocr_det_limit_side_len, rapidocr_threads=args.rapidocr_threads,
             rapidocr_workers=args.rapidocr_workers,
@@ -1004,7 +1042,12 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
                    help="http backend: deadline of each attempt over the whole reply (connect to last byte); a "
                         "request takes at most (retries + 1) x this + the backoff sleeps")
     g.add_argument("--genrm_max_retries", type=int, default=3, help="http backend: retries after the first try")
-    g.add_argument("--genrm_backoff_s", type=float, default=1.0, help="http backend: first retry delay (doubles)")
+    g.add_argument("--genrm_backoff_s", type=float, default=1.0,
+                   help=f"http backend: first retry delay (doubles, up to {GENRM_MAX_BACKOFF_S:g} s)")
+    g.add_argument("--genrm_retry_total_s", type=float, default=120.0,
+                   help="http backend: a judge that cannot be reached (connection refused or reset: a restart) is "
+                        "retried for up to this many seconds per request, beyond --genrm_max_retries (0 = only "
+                        "those retries)")
     g.add_argument("--genrm_temperature", type=float, default=0.0,
                    help="GenRM sampling temperature (0 = greedy, the evaluation setting; verl-omni trains at 0.7)")
     g.add_argument("--genrm_top_p", type=float, default=1.0, help="GenRM top_p (verl-omni trains at 0.8)")
@@ -1025,7 +1068,10 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pickscore_batch_size", type=int, default=16)
     g.add_argument("--reward_weights", default=None, type=reward_weights_arg,
                    help="multi-reward, e.g. 'pickscore=1.0,jpeg_compressibility=0.01': every sample is scored by "
-                        "each listed reward and gets the weighted sum (logged per reward as reward/<name>)")
+                        "each listed reward and gets the weighted sum (logged per reward as reward/<name>); a "
+                        "negative weight needs --allow_negative_reward_weights")
+    g.add_argument("--allow_negative_reward_weights", action="store_true",
+                   help="accept a negative --reward_weights entry (that reward becomes a penalty)")
 
 
 def _resolve_device(device: str) -> str:
@@ -1073,6 +1119,7 @@ class RewardScorer:
                     self._ocr_reader = GenRMHttpReader(
                         c.genrm_url, c.genrm_model, c.sampling, concurrency=c.genrm_concurrency,
                         timeout_s=c.genrm_timeout_s, max_retries=c.genrm_max_retries, backoff_s=c.genrm_backoff_s,
+                        retry_total_s=c.genrm_retry_total_s,
                         api_key=os.environ.get(c.genrm_api_key_env) if c.genrm_api_key_env else None)
                 elif c.ocr_backend == "local":
                     self._ocr_reader = GenRMLocalReader(c.genrm_model_path or c.genrm_model, c.sampling,

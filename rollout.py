@@ -753,6 +753,10 @@ def write_engine_adapter(adapter_dir: str, out_dir: str) -> int:
         raise ValueError(f"{adapter_dir}: target_modules must be a list of module names, got {targets!r}")
     config = dict(config, target_modules=lora.from_engine_targets(targets))
     tensors = {f"{path}.lora_{x}.weight": ab[x] for path, ab in modules.items() for x in ("A", "B")}
+    bad = lora.nonfinite_tensors(tensors)
+    if bad:  # vllm-omni binds what it is given: refuse here what bind_adapter refuses for the native engine
+        raise ValueError(f"{adapter_dir}: {len(bad)} LoRA tensors hold NaN/inf (e.g. {bad[:3]}); refusing to hand "
+                         f"a corrupt adapter to the engine")
     lora.write_adapter_dir(tensors, config, out_dir, engine_names=True, key_prefix="base_model.model.")
     return len(modules)
 
@@ -1296,15 +1300,18 @@ def handshake_error(ours: dict[str, Any], theirs: Any, *, peer: str) -> str | No
     return None
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int = 0) -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (no orphans even if the trainer is
-    SIGKILLed); elsewhere the worker still exits on EOF of its stdin."""
+    SIGKILLed); elsewhere the worker still exits on EOF of its stdin. `parent_pid`: the pid of the trainer that
+    started this worker; if it died before the signal was armed (this process was already re-parented), exit now."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)  # the trainer is gone: nobody will ever read this worker
 
 
 def _private_stdout():
@@ -1429,8 +1436,9 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--profile-generate", type=int, default=0,
                         help="record a torch.profiler trace of the N-th generate request (0 = off)")
     parser.add_argument("--profile-path", default="", help="where that trace goes (gzipped Chrome JSON)")
+    parser.add_argument("--parent-pid", type=int, default=0, help="the trainer's pid (exit if it is already gone)")
     args = parser.parse_args(argv)
-    _die_with_parent()
+    _die_with_parent(args.parent_pid)
     # a terminal Ctrl-C (same process group) or a scheduler's SIGTERM must not kill the worker before the trainer
     # has finished its step: the parent closes it (stdin EOF, then SIGKILL; PDEATHSIG if the parent dies)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1674,7 +1682,8 @@ class RolloutGroup:
                 log = open(log_path, "ab")
                 command = [python or sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
                            "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
-                           "--threads", str(threads_per_worker), "--attention-backend", attention_backend] \
+                           "--threads", str(threads_per_worker), "--attention-backend", attention_backend,
+                           "--parent-pid", str(os.getpid())] \
                     + (["--cfg-batch"] if cfg_batch else []) + (["--profile-generate", str(profile_generate),
                        "--profile-path", os.path.join(self.log_dir, f"profile-worker-{index}.json.gz")]
                       if profile_generate > 0 else [])

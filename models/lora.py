@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -377,6 +377,13 @@ def export_adapter(
     return len(tensors) // 2
 
 
+def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
+    """The keys of the floating-point tensors in `tensors` that hold NaN or inf (other values are skipped): THE
+    finiteness check of adapters and optimizer state, wherever they are read, bound or saved."""
+    return [key for key, t in tensors.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def read_adapter(adapter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config, {trainer module path: {"A": tensor, "B": tensor}}) from a PEFT adapter directory in either
     name form (prefix `transformer.` / `base_model.model.` / none). A module may lack A or B here;
@@ -464,6 +471,10 @@ def bind_adapter(
         raise ValueError(
             f"{len(missing)} LoRA modules of adapter {adapter_name!r} get no tensor from {source}: {missing[:6]}"
         )
+    bad = nonfinite_tensors({f"{p}.lora_{ab}": t for p, pair in modules.items() for ab, t in pair.items()})
+    if bad:
+        raise ValueError(f"{source}: {len(bad)} LoRA tensors hold NaN/inf (e.g. {bad[:3]}); refusing to bind a "
+                         f"corrupt adapter (its images would be scored as if they were a policy's)")
     for path, layer in layers.items():  # every check before the first copy: a refused set leaves the adapter as it was
         a, b = modules[path]["A"], modules[path]["B"]
         wa, wb = layer.lora_A[adapter_name].weight, layer.lora_B[adapter_name].weight

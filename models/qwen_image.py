@@ -30,6 +30,13 @@ TOKENIZER_MAX_LENGTH = 1024  # the pipeline's hard cap on prompt tokens after th
 LATENT_CHANNELS = 16
 
 
+def prompt_token_lengths(tokenizer: Any, prompts: Sequence[Any]) -> list[int]:
+    """The token count of each prompt after the template prefix (what `max_sequence_length` cuts in
+    `encode_prompt`), untruncated: needs the tokenizer only, no model."""
+    ids = tokenizer([render_prompt(p) for p in prompts], truncation=False)["input_ids"]
+    return [len(row) - DROP_IDX for row in ids]
+
+
 def render_prompt(prompt: str | Sequence[dict[str, Any]]) -> str:
     """The text the tokenizer sees for one prompt.
 

@@ -66,9 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for spec in args.adapters:
         if spec != "base":
-            try:
-                T.resolve_adapter_dir(spec)
-            except ValueError as e:
+            try:  # where it is, its checkpoint's sha256 manifest, finiteness: before any model loads
+                T.verify_adapter_spec(spec)
+            except (ValueError, T.CheckpointError) as e:
                 parser.error(f"--adapters {spec}: {e}")
     if not args.model_path or not args.val_files:
         parser.error("--model_path and --val_files are required (or --run_dir)")
@@ -100,7 +100,8 @@ def summary(samples: list[dict], metrics: dict[str, float]) -> list[tuple[str, i
     for key, mean in sorted(metrics.items()):
         if key.startswith("val-core/"):
             _, source, var, _ = key.split("/")
-            values = np.asarray([s[var] for s in samples if s["data_source"] == source], dtype=np.float64)
+            values = np.asarray([s[var] for s in samples if s["data_source"] == source and not s.get("nonfinite")],
+                                dtype=np.float64)
             rows.append((key, len(values), mean, float(values.std())))
     return rows
 
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
             with lora.lora_disabled(engine.model.transformer):
                 outcome = T.run_validation(engine, scorer, dataset, args, family=engine.model.family, scale=scale)
         else:
-            path = T.resolve_adapter_dir(spec)
+            path = T.verify_adapter_spec(spec)[0]  # again where it is read (it may have changed since start-up)
             if signature is not None and lora_signature(path) != signature:
                 engine = new_engine()  # another rank / alpha / target list: start from the base weights again
             bound = engine.load_adapter(path, spec)  # raises unless every tensor binds exactly one LoRA module
@@ -152,6 +153,12 @@ def main(argv=None) -> None:
     if rank == 0:
         write_report(args, results)
     T.cleanup_distributed()
+    broken = [f"{r['adapter']}: {int(r['metrics']['val-aux/nonfinite_samples'])} of {len(r['samples'])}"
+              for r in results if r["metrics"].get("val-aux/nonfinite_samples")]
+    if broken:  # its images are not a policy's: never scored, and the run says so rather than ranking it
+        raise SystemExit(f"evaluate: samples came back non-finite (NaN/inf latents), were not scored and are left "
+                         f"out of the means: {'; '.join(broken)}; that adapter is broken (its metrics.json entry "
+                         f"counts them as val-aux/nonfinite_samples)")
 
 
 def write_report(args, results: list[dict]) -> None:

@@ -12,6 +12,9 @@
 #   MASTER_PORT     a free port on node 0                            default 29500
 #   TORCHRUN_ARGS   more torchrun flags, e.g. "--shutdown-timeout 900 --max-restarts 0"
 #   PYTHON          the interpreter that runs torchrun               default python3
+#   SHUTDOWN_TIMEOUT seconds torchrun waits after forwarding a SIGTERM / SIGINT before it SIGKILLs the ranks
+#                   (its own default: 30 s); the last finished step is written at once on the signal, and this
+#                   leaves the step in progress time to finish and save too      default 300
 # Every node runs the same line with its own NODE_RANK (static rendezvous: node 0 hosts it). The line is printed
 # before it runs.
 set -euo pipefail
@@ -36,6 +39,8 @@ if [ "$NPROC_PER_NODE" -lt 1 ] || [ "$NNODES" -lt 1 ] || [ "$NODE_RANK" -ge "$NN
   echo "launch.sh: need NPROC_PER_NODE >= 1, NNODES >= 1 and 0 <= NODE_RANK < NNODES (got $NPROC_PER_NODE, $NNODES, $NODE_RANK)" >&2
   exit 2
 fi
+# torch 2.14's torchrun reads this as the default of its --shutdown-timeout
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}}
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
 command=("${PYTHON:-python3}" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK"
          --nproc_per_node "$NPROC_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"

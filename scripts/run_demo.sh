@@ -10,6 +10,10 @@ export TINY_MODELS_DIR=${TINY_MODELS_DIR:-.cache/tiny_models}
 OUT=${OUT:-outputs/demo}
 python3 scripts/build_tiny_models.py --out "$TINY_MODELS_DIR" --only qwen_image
 python3 data_prep/make_demo_data.py --model qwen_image --output_dir "$OUT/data"
+# torchrun SIGKILLs the ranks this long after forwarding a SIGTERM / SIGINT (its default: 30 s). The last finished
+# step is written at once on the signal; this leaves the step in progress time to finish and save too. torch
+# 2.14's torchrun reads it as the default of its --shutdown-timeout.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-300}
 OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 train_nft.py \
   --model_path "$TINY_MODELS_DIR/qwen_image" --train_files "$OUT/data/train.parquet" --val_files "$OUT/data/test.parquet" \
   --device cpu --rollout_devices cpu --rollout_threads 1 \

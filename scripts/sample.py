@@ -138,7 +138,7 @@ def main(argv=None) -> None:
         height, width = height or ref_h, width or ref_w
     adapter_dir = None
     if args.adapter:
-        adapter_dir = T.resolve_adapter_dir(args.adapter)
+        adapter_dir = T.verify_adapter_spec(args.adapter)[0]  # again where it is read (checked at parse time too)
         bound = engine.load_adapter(adapter_dir, args.adapter)  # raises unless every tensor binds a LoRA module
         if rank == 0:
             print(f"adapter {adapter_dir}: {bound} LoRA modules bound", flush=True)

@@ -137,9 +137,10 @@ def test_collective_timeouts_outlast_every_phase_timeout(monkeypatch):
     assert (args.rollout_timeout_s, args.rollout_startup_timeout_s) == (3600.0, 1800.0)
     seconds = T.collective_timeout_s(args)
     assert seconds == 3600.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
-    # a judge request may take (retries + 1) x --genrm_timeout_s + the backoffs 1 + 2 + 4 s
+    # a judge request may take (retries + 1) x --genrm_timeout_s + the backoffs 1 + 2 + 4 s, plus the
+    # --genrm_retry_total_s (120 s) an unreachable judge is retried for and one more attempt's deadline
     assert T.collective_timeout_s(train_nft.parse_args(base + ["--genrm_timeout_s", "1200"])) == \
-        4 * 1200.0 + 7.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
+        4 * 1200.0 + 7.0 + 120.0 + 1200.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
     assert T.collective_timeout_s(train_nft.parse_args(base + ["--collective_timeout_s", "4000"])) == 4000.0
     monkeypatch.setattr(rollout, "RolloutGroup", lambda *a, **kw: object())  # the subgroup only, no workers
     T.init_distributed("cpu", timeout_s=seconds)

@@ -121,8 +121,9 @@ def test_rapidocr_exact_match_extra_and_process_pool_agree():
 class LocalServer:
     """A `ThreadingHTTPServer` on a free 127.0.0.1 port serving `handler` from a daemon thread inside a `with`."""
 
-    def __init__(self, handler: type[BaseHTTPRequestHandler]):
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    def __init__(self, handler: type[BaseHTTPRequestHandler], port: int = 0):
+        ThreadingHTTPServer.allow_reuse_address = True  # a restarted judge binds its old port again at once
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -142,7 +143,7 @@ class FakeJudge(LocalServer):
     for `stall_s`, "garbage" -> non-JSON, "null_content" / "no_content" -> a chat completion whose message content
     is null / missing."""
 
-    def __init__(self, behaviours=("ok",), reply="Grand Opening", stall_s=2.0, delay_s=0.0):
+    def __init__(self, behaviours=("ok",), reply="Grand Opening", stall_s=2.0, delay_s=0.0, port=0):
         self.behaviours = list(behaviours)
         self.reply, self.stall_s, self.delay_s = reply, stall_s, delay_s
         self.requests: list[dict] = []
@@ -193,7 +194,7 @@ class FakeJudge(LocalServer):
                     with judge.lock:
                         judge.in_flight -= 1
 
-        super().__init__(Handler)
+        super().__init__(Handler, port)
 
 
 def http_scorer(url, **kw) -> R.RewardScorer:
@@ -314,6 +315,52 @@ def test_genrm_http_unreachable_server_errors():
     scorer = http_scorer(f"127.0.0.1:{port}", genrm_max_retries=1)
     with pytest.raises(R.GenRMServerError, match="failed 2 attempt"):
         scorer.score_batch([noise_image()], ["a"], ["ocr"])
+
+
+def test_genrm_http_rides_out_a_judge_restart_and_reports_the_real_numbers():
+    """A judge that is down (connection refused) is retried on time, for up to --genrm_retry_total_s, beyond
+    --genrm_max_retries: a restart of ~3 s is ridden out; one that outlasts the total fails with a message whose
+    attempt count and seconds are the ones that happened."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there yet: the judge is restarting
+    judges = []
+
+    def come_back():
+        time.sleep(3.0)
+        judges.append(FakeJudge(port=port).__enter__())
+
+    threading.Thread(target=come_back, daemon=True).start()
+    scorer = http_scorer(f"127.0.0.1:{port}", genrm_max_retries=1, genrm_backoff_s=0.2, genrm_retry_total_s=30.0)
+    start = time.monotonic()
+    try:
+        res = scorer.score_batch([noise_image()], ["Grand Opening"], ["ocr"])
+        elapsed = time.monotonic() - start
+    finally:
+        for judge in judges:
+            judge.__exit__(None, None, None)
+    assert res.rewards.tolist() == [1.0]
+    assert 2.5 < elapsed < 15, elapsed  # waited for the restart (backoff capped), not for the whole 30 s
+
+    scorer = http_scorer(f"127.0.0.1:{port}", genrm_max_retries=1, genrm_backoff_s=0.2, genrm_retry_total_s=2.0)
+    start = time.monotonic()
+    with pytest.raises(R.GenRMServerError) as info:
+        scorer.score_batch([noise_image()], ["Grand Opening"], ["ocr"])
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    found = re.search(r"failed (\d+) attempt\(s\) in ([\d.]+) s \(timeout 10s each.*; (\d+) could not connect, "
+                      r"retried for up to --genrm_retry_total_s 2 s with a backoff from 0.2 s doubling up to 10 s; "
+                      r"other failures retried --genrm_max_retries 1 time\(s\)\)", message)
+    assert found, message
+    attempts, seconds, unreachable = int(found.group(1)), float(found.group(2)), int(found.group(3))
+    # sleeps 0.2, 0.4, 0.8, then 0.6 (the rest of the 2 s), then one counted retry after 3.2 s: 6 attempts, all refused
+    assert (attempts, unreachable) == (6, 6)
+    assert abs(seconds - elapsed) < 0.5 and 4.5 < elapsed < 8, (seconds, elapsed)
+    # the collective timeouts count this time in (training.collective_timeout_s)
+    assert R.genrm_request_budget_s(10.0, 1, 0.2, 2.0) == 2 * 10.0 + 0.2 + 2.0 + 10.0
 
 
 class TricklingJudge(LocalServer):

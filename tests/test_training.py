@@ -630,6 +630,10 @@ def test_malicious_pickle_in_a_checkpoint_is_refused_and_never_runs(trained_chec
     with pytest.raises(T.CheckpointError, match=r"optimizer\.pt holds pickled objects.*weights_only"):
         _load(path, model, opt, sampler)
     assert not os.path.exists(evidence)  # the payload did not run
+    # prepare_resume (model-free, before a trainer loads its model) refuses it already
+    with pytest.raises(T.CheckpointError, match=r"optimizer\.pt holds pickled objects.*weights_only"):
+        T.prepare_resume("auto", root, CONFIG, adapter_names=("default", "old"))
+    assert not os.path.exists(evidence)
     torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)  # control: a plain unpickle runs it
     assert os.path.exists(evidence)
 

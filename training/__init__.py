@@ -26,9 +26,12 @@ One module per section, read in this order (`import training as T` gives every p
    per-phase table of device busy / idle time, host reads and top kernels read from such a trace.
 10. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
-   so each trainer file holds only its algorithm.
-10. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you
+   the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, so each
+   trainer file holds only its algorithm.
+11. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you
    mean" for a misspelt flag), the traceback goes to `<output_dir>/train.log`.
+12. `lifecycle.py`: one live run per --output_dir (an advisory lock file), the parent watchdog of the ranks (no
+   orphans when the torchrun agent dies), heartbeats that name a frozen rank.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from .preflight import *  # noqa: F401,F403
 from .profiling import *  # noqa: F401,F403
 from .run import *  # noqa: F401,F403
 from .cli import *  # noqa: F401,F403
+from .lifecycle import *  # noqa: F401,F403
 from .model import _full  # noqa: F401  (tests use it on DTensors)
 
 __all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight,  # noqa: F405
-                               profiling, run, cli)
+                               profiling, run, cli, lifecycle)
            for name in module.__all__]

@@ -33,6 +33,7 @@ import re
 import shutil
 import uuid
 import warnings
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -48,9 +49,11 @@ from .model import ADAPTER_DEFAULT, _full, adapter_state_dict, load_adapter_stat
 from .data import PromptSampler
 
 __all__ = [
-    "CheckpointError", "read_adapter_dir", "MARKER", "CHECKPOINT_FORMAT", "RESUME_BLOCKING", "RESUME_LOGGED",
+    "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "MARKER",
+    "CHECKPOINT_FORMAT", "RESUME_BLOCKING", "RESUME_LOGGED",
     "RESUME_PATHS", "RESUME_MUTABLE_KEYS", "config_fingerprint", "content_fingerprints", "path_fingerprint",
     "sha256_file", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
+    "GatheredState", "gather_checkpoint", "write_checkpoint", "save_gathered",
     "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config", "ResumePlan", "prepare_resume",
     "load_checkpoint",
 ]
@@ -60,13 +63,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: partial, corrupt, or from a different config."""
 
 
-def read_adapter_dir(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a PEFT adapter directory (`models.lora.read_adapter`: either key form, vllm-omni names mapped
-    back), keyed like `adapter_state_dict`. Unreadable or malformed -> CheckpointError naming the directory."""
-    try:
-        _, modules = lora.read_adapter(path)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read LoRA adapter {path}: {type(e).__name__}: {e}; the checkpoint is corrupt") from e
+def read_adapter_dir(path: str, *, manifest: bool = True) -> dict[str, torch.Tensor]:
+    """Tensors of a PEFT adapter directory (`read_verified_adapter`: manifest when in a checkpoint and `manifest`,
+    finiteness always), keyed like `adapter_state_dict`. Unreadable, malformed or non-finite -> CheckpointError
+    naming the directory."""
+    _, modules = read_verified_adapter(path, manifest=manifest)
     return {f"{module}.lora_{ab}.weight": t for module, pair in modules.items() for ab, t in pair.items()}
 
 
@@ -105,7 +106,7 @@ RESUME_BLOCKING: frozenset[str] = frozenset({
 RESUME_LOGGED: frozenset[str] = frozenset({
     # run length, checkpoints, logging, stops
     "resume", "resume_force", "total_training_steps", "save_freq", "keep_last", "log_every", "output_dir",
-    "max_consecutive_skips", "max_wall_time_s", "stop_save_budget_s",
+    "max_consecutive_skips", "max_wall_time_s", "stop_save_budget_s", "save_on_exit", "judge_max_empty_frac",
     # validation only (never touches the training batches or the trainer RNG)
     "test_freq", "val_before_train", "num_val_images", "val_max_samples", "val_num_inference_steps", "val_seed",
     # where and how fast things run (same objective; float rounding and NFT's noise draws per micro-batch may differ)
@@ -117,7 +118,8 @@ RESUME_LOGGED: frozenset[str] = frozenset({
     "init_adapter", "val_adapter",
     # the reward servers and devices
     "genrm_url", "genrm_device", "genrm_batch_size", "genrm_concurrency", "genrm_timeout_s", "genrm_max_retries",
-    "genrm_backoff_s", "rapidocr_threads", "rapidocr_workers", "pickscore_device", "pickscore_cache_dir", "pickscore_batch_size",
+    "genrm_backoff_s", "genrm_retry_total_s", "allow_negative_reward_weights", "rapidocr_threads", "rapidocr_workers",
+    "pickscore_device", "pickscore_cache_dir", "pickscore_batch_size",
 })
 RESUME_PATHS: dict[str, bool] = {
     "model_path": True, "train_files": True, "val_files": False, "genrm_model_path": True, "pickscore_path": True,
@@ -265,8 +267,10 @@ def _file_sizes(root: str) -> dict[str, int]:
     return dict(sorted(sizes.items()))
 
 
-def optimizer_full_state(transformer: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state with full (unsharded) CPU tensors, keyed by parameter name. Collective.
+def optimizer_full_state(transformer: nn.Module, optimizer: torch.optim.Optimizer, *,
+                         all_ranks: bool = True) -> dict[str, Any]:
+    """The optimizer state with full (unsharded) CPU tensors, keyed by parameter name. Collective; with
+    `all_ranks=False` only rank 0 keeps the CPU copies (the other ranks get empty entries).
 
     {"state": {param name: {"step": 0-dim tensor, "exp_avg": full tensor, ...}}, "param_groups": [{hyper-params,
     "params": [param names]}]}. Parameters that never received a gradient have no entry (AdamW creates none), e.g.
@@ -289,9 +293,14 @@ def optimizer_full_state(transformer: nn.Module, optimizer: torch.optim.Optimize
     if any(e != with_state for e in everyone):  # the gathers below are collectives: every rank needs the same list
         raise RuntimeError("ranks hold optimizer state for different parameters; cannot save a consistent checkpoint")
     state = {}
+    keep = all_ranks or get_rank() == 0
     for name, p in owned:
-        state[name] = {k: (_full(v).detach().to("cpu").clone() if torch.is_tensor(v) else v)
-                       for k, v in optimizer.state[p].items()}
+        entry = {}
+        for k, v in optimizer.state[p].items():
+            full = _full(v).detach() if torch.is_tensor(v) else v  # the gather is collective: every rank runs it
+            if keep:
+                entry[k] = full.to("cpu").clone() if torch.is_tensor(full) else full
+        state[name] = entry
     return {"state": state, "param_groups": groups}
 
 
@@ -330,16 +339,62 @@ def load_optimizer_full_state_(transformer: nn.Module, optimizer: torch.optim.Op
 
 def _nonfinite_report(adapters: Mapping[str, Mapping[str, torch.Tensor]], optim_state: Mapping[str, Any]) -> list[str]:
     """Names of the tensors about to be saved that hold NaN/inf (empty on the happy path)."""
-    bad = [f"adapter {name}: {key}" for name, tensors in adapters.items() for key, t in tensors.items()
-           if not bool(torch.isfinite(t).all())]
+    bad = [f"adapter {name}: {key}" for name, tensors in adapters.items() for key in lora.nonfinite_tensors(tensors)]
     for pname, entry in optim_state["state"].items():
-        bad += [f"optimizer {pname}.{k}" for k, v in entry.items()
-                if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        bad += [f"optimizer {pname}.{k}" for k in lora.nonfinite_tensors(entry)]
     return bad
 
 
-def save_checkpoint(
-    root: str,
+def adapter_checkpoint(adapter_dir: str) -> tuple[str, str] | None:
+    """(checkpoint folder, manifest prefix "adapters/<name>/") when `adapter_dir` is an adapter of a checkpoint that
+    has a COMPLETE manifest, else None (a plain PEFT folder carries no manifest)."""
+    parent, name = os.path.split(os.path.normpath(os.path.abspath(adapter_dir)))
+    ckpt, adapters = os.path.split(parent)
+    if adapters == "adapters" and os.path.isfile(os.path.join(ckpt, MARKER)):
+        return ckpt, f"adapters/{name}/"
+    return None
+
+
+def read_verified_adapter(adapter_dir: str, *, what: str = "LoRA adapter",
+                          manifest: bool = True) -> tuple[dict, dict[str, dict]]:
+    """`models.lora.read_adapter` of `adapter_dir` after checking it wherever it is read (evaluate, sample,
+    --init_adapter, resume): the sha256 of its files against its checkpoint's COMPLETE manifest when it is part of
+    one (`adapter_checkpoint`), and always that every tensor is finite (a same-size bit flip or a NaN adapter
+    would otherwise be sampled and scored). `manifest=False`: the caller verified the checkpoint already. Raises
+    CheckpointError naming the folder (`what` says whose), the files or tensors and the fix."""
+    found = adapter_checkpoint(adapter_dir)
+    if found is not None and manifest:
+        ckpt, prefix = found
+        verify_checkpoint(ckpt, only=prefix)
+    try:
+        config, modules = lora.read_adapter(adapter_dir)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {what} {adapter_dir}: {type(e).__name__}: {e}; it is corrupt") from e
+    bad = lora.nonfinite_tensors({f"{module}.lora_{ab}": t for module, pair in modules.items()
+                                  for ab, t in pair.items()})
+    if bad:
+        raise CheckpointError(
+            f"{what} {adapter_dir}: {len(bad)} tensors hold NaN/inf (e.g. {bad[:3]}); it is corrupt"
+            + ("" if found else " (a plain PEFT folder has no sha256 manifest to say which bytes changed)")
+            + ": use another adapter or checkpoint")
+    return config, modules
+
+
+@dataclass
+class GatheredState:
+    """Everything a checkpoint of `step` holds, gathered to rank 0 (`gather_checkpoint`; other ranks hold None in
+    every tensor field): written by `write_checkpoint` on rank 0 alone, with no collective, so a run can keep the
+    last finished step's state in memory and write it at once on a signal or a fatal error."""
+
+    step: int
+    adapters: dict[str, dict[str, torch.Tensor]]
+    optim_state: Any
+    rng_states: list[Any]
+    trainer_json: dict[str, Any]
+    lora_config: Any
+
+
+def gather_checkpoint(
     step: int,
     *,
     transformer: nn.Module,
@@ -350,29 +405,20 @@ def save_checkpoint(
     adapter_names: Sequence[str] = (ADAPTER_DEFAULT,),
     trainer_state: Mapping[str, Any] | None = None,
     fingerprint_ignore: Iterable[str] = RESUME_MUTABLE_KEYS,
-    keep_last: int | None = None,
-) -> str:
-    """Save everything needed to resume at `step` to `<root>/step_XXXXXXXX`; return that path. Collective.
-
-    All ranks gather (adapter tensors, optimizer state, per-rank RNG); rank 0 refuses non-finite weights or
-    optimizer state (CheckpointError: a checkpoint is never poisoned), writes into a temp directory, fsyncs, writes
-    the COMPLETE manifest (size + sha256 per file) last and renames the directory into place, so `<root>` never
-    holds a half-written step directory. trainer_state: JSON-able extras (e.g. GradStepper.state_dict()).
-    keep_last: delete older complete checkpoints beyond this many, only after the new one is in place.
-    """
+) -> GatheredState:
+    """The state of `step` (adapter tensors, optimizer state, every rank's RNG, the sampler cursor, the trainer
+    state and config fingerprint) as full CPU copies on rank 0. Collective."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     adapters = {name: adapter_state_dict(transformer, name, all_ranks=False) for name in adapter_names}
-    optim_state = optimizer_full_state(transformer, optimizer)
+    optim_state = optimizer_full_state(transformer, optimizer, all_ranks=False)
     rng_states: list[Any] = [None] * get_world_size()
     if dist.is_initialized():
         dist.all_gather_object(rng_states, _rng_state())
     else:
         rng_states = [_rng_state()]
-    rank = get_rank()
-    final = os.path.join(root, f"step_{step:08d}")
-    error: BaseException | None = None
-    if rank == 0:
+    state: dict[str, Any] = {}
+    if get_rank() == 0:
         digest, values = config_fingerprint(config, fingerprint_ignore)
         state = {
             "step": int(step),
@@ -383,19 +429,47 @@ def save_checkpoint(
             "fingerprinted_config": values,
             "logged_config": _logged_values(config, fingerprint_ignore),
             "versions": library_versions(),
-            "trainer_state": dict(trainer_state or {}),
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "trainer_state": json.loads(json.dumps(dict(trainer_state or {}))),  # a copy: later steps change it
         }
+    return GatheredState(int(step), adapters, optim_state, rng_states, state, lora_config)
+
+
+def write_checkpoint(root: str, gathered: GatheredState, *, keep_last: int | None = None) -> str:
+    """Rank 0, no collective: refuse non-finite weights or optimizer state (CheckpointError: a checkpoint is never
+    poisoned), write `gathered` into a temp directory, fsync, write the COMPLETE manifest (size + sha256 per file)
+    last and rename the directory into place, so `root` never holds a half-written step directory; then delete
+    older complete checkpoints beyond `keep_last`. Returns the step directory."""
+    final = os.path.join(root, f"step_{gathered.step:08d}")
+    bad = _nonfinite_report(gathered.adapters, gathered.optim_state)
+    if bad:
+        raise CheckpointError(
+            f"refusing to write checkpoint {final}: {len(bad)} tensors hold NaN/inf (e.g. {bad[:3]}); the "
+            f"earlier checkpoints under {root} are left as they are")
+    state = {**gathered.trainer_json, "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    _write_checkpoint_dir(root, final, state, gathered.adapters, gathered.lora_config, gathered.optim_state,
+                          gathered.rng_states)
+    if keep_last is not None and keep_last > 0:
+        for old_step in [s for s in _complete_steps(root) if s != gathered.step][:-(keep_last - 1) or None]:
+            shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
+    return final
+
+
+def save_checkpoint(root: str, step: int, *, keep_last: int | None = None, **state: Any) -> str:
+    """Save everything needed to resume at `step` to `<root>/step_XXXXXXXX`; return that path. Collective:
+    `gather_checkpoint(step, **state)` on every rank (`state`: its keyword arguments: transformer, optimizer,
+    lora_config, config, sampler, adapter_names, trainer_state (JSON-able extras, e.g. GradStepper.state_dict()),
+    fingerprint_ignore), `write_checkpoint` on rank 0, its error raised on every rank. keep_last: delete older
+    complete checkpoints beyond this many, only after the new one is in place."""
+    return save_gathered(root, gather_checkpoint(step, **state), keep_last=keep_last)
+
+
+def save_gathered(root: str, gathered: GatheredState, *, keep_last: int | None = None) -> str:
+    """`write_checkpoint` on rank 0, its error raised on every rank. Collective; returns the step directory."""
+    final = os.path.join(root, f"step_{gathered.step:08d}")
+    error: BaseException | None = None
+    if get_rank() == 0:
         try:
-            bad = _nonfinite_report(adapters, optim_state)
-            if bad:
-                raise CheckpointError(
-                    f"refusing to write checkpoint {final}: {len(bad)} tensors hold NaN/inf (e.g. {bad[:3]}); the "
-                    f"earlier checkpoints under {root} are left as they are")
-            _write_checkpoint_dir(root, final, state, adapters, lora_config, optim_state, rng_states)
-            if keep_last is not None and keep_last > 0:
-                for old_step in [s for s in _complete_steps(root) if s != step][:-(keep_last - 1) or None]:
-                    shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
+            write_checkpoint(root, gathered, keep_last=keep_last)
         except BaseException as e:  # noqa: BLE001 - re-raised below on every rank
             error = e
     _raise_if_any_rank_failed(error, f"save_checkpoint({final})")
@@ -483,9 +557,10 @@ def find_latest(root: str) -> str | None:
     return os.path.join(root, f"step_{complete[-1]:08d}") if complete else None
 
 
-def verify_checkpoint(path: str, *, sha256: bool = True) -> dict[str, Any]:
+def verify_checkpoint(path: str, *, sha256: bool = True, only: str | None = None) -> dict[str, Any]:
     """The COMPLETE manifest of `path` after checking it: the marker exists and is this format, the file set and
-    sizes match, and (sha256=True) every file's sha256 matches. Raises CheckpointError naming the files."""
+    sizes match, and (sha256=True) every file's sha256 matches (with `only`, e.g. "adapters/old/", the files under
+    that prefix only). Raises CheckpointError naming the files."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     marker_path = os.path.join(path, MARKER)
@@ -509,7 +584,7 @@ def verify_checkpoint(path: str, *, sha256: bool = True) -> dict[str, Any]:
             f"checkpoint {path} is corrupt: files differ from the {MARKER} manifest (missing, truncated or extra): {diff}"
         )
     if sha256:
-        hashes = _hash_files(path, sorted(expected))
+        hashes = _hash_files(path, sorted(rel for rel in expected if only is None or rel.startswith(only)))
         wrong = sorted(rel for rel, h in hashes.items() if h != marker["files"][rel]["sha256"])
         if wrong:
             raise CheckpointError(
@@ -663,6 +738,8 @@ def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any]
                   "\nNo earlier complete checkpoint verifies; start a new run with --resume never (the checkpoints are "
                   "moved aside, not deleted).")
         raise CheckpointError(str(e) + advice) from None
+    for name in ("optimizer.pt", "rng.pt"):  # a pickle that would run code is refused now, before any model loads
+        _load_tensors(path, name, mmap=True)
     state = _read_trainer_state(path)
     step = int(state["step"])
     messages += check_resume_config(path, state, config, adapter_names=adapter_names, force=force)
@@ -703,12 +780,14 @@ def _on_rank0(fn: Callable[[], Any], what: str = "") -> Any:
     return on_rank0(fn, catch=(CheckpointError, OSError), exc_type=CheckpointError, what=what)
 
 
-def _load_tensors(path: str, name: str) -> Any:
+def _load_tensors(path: str, name: str, *, mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)`: tensors, numbers, strings and containers only; a pickle that would build
-    any other object (run code) is refused with a CheckpointError naming the file."""
+    any other object (run code) is refused with a CheckpointError naming the file. `mmap`: map the tensor data
+    instead of reading it (a cheap check of the pickle alone)."""
     file = os.path.join(path, name)
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        mmap = mmap and zipfile.is_zipfile(file)  # torch.save's zip format maps; a legacy pickle is read whole
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
@@ -750,7 +829,8 @@ def load_checkpoint(
     check_resume_config(path, state, config, adapter_names=adapter_names, force=force,
                         fingerprint_ignore=fingerprint_ignore)
     for name in adapter_names:
-        load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name)))
+        # the manifest was checked above (sizes on every rank, sha256 on rank 0 unless the caller did)
+        load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name), manifest=False))
     optim_state, rng_states = {}, []
     try:
         optim_state = _load_tensors(path, "optimizer.pt")

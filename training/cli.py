@@ -20,13 +20,16 @@ from typing import Callable, Iterable, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
 from .distributed import RankFailed, get_local_rank, launch_rank
+from .lifecycle import RunLockError
 from .logs import HelpFormatter, log_only
 from .preflight import PreflightError
 
 __all__ = ["ArgumentParser", "run_cli", "suggest_flags", "one_line_error"]
 
 # Raised alike on every rank (computed by each, or relayed from rank 0 / the failing rank): one line per node says it
-RELAYED_ERRORS: tuple[type[BaseException], ...] = (PreflightError, CheckpointError, RankFailed)
+RELAYED_ERRORS: tuple[type[BaseException], ...] = (PreflightError, CheckpointError, RankFailed, RunLockError)
+# Refusals of the inputs (they say what is wrong and the fix): no traceback on the console even before the log exists
+REFUSALS: tuple[type[BaseException], ...] = (PreflightError, CheckpointError, RunLockError)
 
 
 def suggest_flags(message: str, flags: Iterable[str]) -> str:
@@ -78,7 +81,7 @@ def run_cli(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | 
         rank = launch_rank()
         log = log_only("".join(traceback.format_exception(error)))
         where = f" (traceback in {log})" if log else ""
-        if log is None:
+        if log is None and not isinstance(error, REFUSALS):
             traceback.print_exception(error, file=sys.stderr)
         if get_local_rank() == 0 or not isinstance(error, RELAYED_ERRORS):
             prefix = "" if rank == 0 else f"[rank {rank}] "

@@ -81,8 +81,10 @@ def collective_timeout_s(args: Any) -> float:
     phases = {
         "--rollout_timeout_s": float(args.rollout_timeout_s),
         "--rollout_startup_timeout_s": float(getattr(args, "rollout_startup_timeout_s", 0.0) or 0.0),
-        "a judge request ((--genrm_max_retries + 1) x --genrm_timeout_s + backoff)": rewards.genrm_request_budget_s(
-            args.genrm_timeout_s, args.genrm_max_retries, args.genrm_backoff_s) if args.ocr_backend == "http" else 0.0,
+        "a judge request ((--genrm_max_retries + 1) x --genrm_timeout_s + backoff + --genrm_retry_total_s)":
+            rewards.genrm_request_budget_s(args.genrm_timeout_s, args.genrm_max_retries, args.genrm_backoff_s,
+                                           getattr(args, "genrm_retry_total_s", 0.0))
+            if args.ocr_backend == "http" else 0.0,
     }
     longest_flag, longest = max(phases.items(), key=lambda item: item[1])
     chosen = getattr(args, "collective_timeout_s", None)

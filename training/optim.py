@@ -157,6 +157,13 @@ class GradStepper:
     last_skip_reason: str = ""
     _loss_problem: str = field(default="", repr=False)
     _finite: torch.Tensor | None = field(default=None, repr=False)  # device flag of the sync=False losses
+    _batch_problem: str = field(default="", repr=False)
+
+    def reject_batch(self, reason: str) -> None:
+        """The current rollout batch cannot be trained on (`reason`, e.g. non-finite samples): every `step` until
+        the next call skips, as for a non-finite loss. "" accepts the new batch. Call it on every rank per rollout
+        (each rank's flag is OR-ed over the ranks in `step`)."""
+        self._batch_problem = reason
 
     def checked_loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]], *args: Any,
                      **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -192,8 +199,8 @@ class GradStepper:
             self._loss_problem = "loss is not finite (found at the optimizer step: --loss_metrics device; " \
                                  "--loss_metrics host names the inputs)"
         self._finite = None
-        if _any_rank(bool(self._loss_problem), first):
-            reason = f"non-finite loss: {self._loss_problem or 'on another rank'}"
+        if _any_rank(bool(self._loss_problem or self._batch_problem), first):
+            reason = (self._batch_problem or f"non-finite loss: {self._loss_problem or 'on another rank'}")
         elif not math.isfinite(grad_norm):
             reason = f"non-finite gradient norm ({grad_norm})"
         else:

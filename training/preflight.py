@@ -3,14 +3,18 @@ row, output folder or judge stops the run within seconds with one message naming
 
     run_preflight(args, world)      # rank 0 (setup_run shares the outcome with every rank); raises PreflightError
 
-In order: the flags (`check_flags`: counts, timeouts, batch sizes against the world size, rollout_n and the
-micro-batch size, the collective timeout); the image size for the model family (`models.check_size_for`: reads
-model_index.json and vae/config.json only); every row of --train_files and --val_files (`check_datasets`: the
-dataset's own row checks, a non-empty prompt, a data_source that names a reward, the ground truth a multi-reward
-needs, enough validation prompts for the ranks); what each reward needs (`check_rewards`: a PickScore folder);
-the output folder and its checkpoints/ can be written (`check_output_dir`); one tiny request to the judge when an
-OCR reward is scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here: --reward_weights
-refuses it at parse time (`rewards.reward_weights_arg`).
+In order: the flags (`check_flags`: counts, timeouts, batch sizes against the world size, rollout_n >= 2 (the
+advantages are group-relative) and the micro-batch size, a negative reward weight without
+--allow_negative_reward_weights, CUDA rollout devices on a host without CUDA, the collective timeout); the image
+size for the model family (`models.check_size_for`: reads model_index.json and vae/config.json only); every row of
+--train_files and --val_files (`check_datasets`: the dataset's own row checks, a non-empty prompt, a data_source
+that names a reward, the ground truth a multi-reward needs, enough validation prompts for the ranks, at least
+--train_batch_size training rows); what each reward needs (`check_rewards`: a PickScore folder); --init_adapter
+(`check_init_adapter`: this run's rank and alpha; the flag's type verified its manifest and finiteness); the output
+folder and its checkpoints/ can be written (`check_output_dir`); the prompts that Qwen-Image's --max_sequence_length
+cuts (`truncated_prompts`: counted, warned once by `setup_run`); one tiny request to the judge when an OCR reward is
+scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here: --reward_weights refuses it at
+parse time (`rewards.reward_weights_arg`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import uuid
 from typing import Any, Sequence
 
 __all__ = ["PreflightError", "run_preflight", "check_flags", "check_datasets", "check_rewards", "check_output_dir",
-           "probe_judge", "rewards_used"]
+           "probe_judge", "rewards_used", "check_reward_signs", "check_rollout_devices", "check_init_adapter",
+           "truncated_prompts"]
 
 
 class PreflightError(ValueError):
@@ -49,6 +54,18 @@ def check_flags(args, world: int) -> None:
         if value is not None and not (math.isfinite(value) and value > 0 if flag != "lr" else
                                       math.isfinite(value) and value >= 0):
             raise PreflightError(f"--{flag} {value}: must be a finite number {'>= 0' if flag == 'lr' else '> 0'}")
+    if args.rollout_n == 1:
+        raise PreflightError("--rollout_n 1: both trainers' advantages are group-relative (a reward minus the mean of "
+                             "its prompt's group), so one sample per prompt makes every advantage 0 and nothing is "
+                             "learned; pass --rollout_n 2 or more")
+    retry_total = getattr(args, "genrm_retry_total_s", 0.0)
+    if not (math.isfinite(retry_total) and retry_total >= 0):
+        raise PreflightError(f"--genrm_retry_total_s {retry_total}: must be a finite number >= 0")
+    empty = getattr(args, "judge_max_empty_frac", 1.0)
+    if not (0.0 <= empty <= 1.0):
+        raise PreflightError(f"--judge_max_empty_frac {empty}: must be in [0, 1] (1 = never stop)")
+    check_reward_signs(args)
+    check_rollout_devices(args)
     if args.ppo_mini_batch_size is not None and args.ppo_mini_batch_size < 1:
         raise PreflightError(f"--ppo_mini_batch_size {args.ppo_mini_batch_size}: must be >= 1 (or unset = "
                              f"--train_batch_size)")
@@ -63,6 +80,85 @@ def check_flags(args, world: int) -> None:
         collective_timeout_s(args)
     except ValueError as e:
         raise PreflightError(str(e)) from None
+
+
+def check_reward_signs(args) -> None:
+    """A negative --reward_weights entry turns that reward into a penalty: refused unless
+    --allow_negative_reward_weights says it is meant."""
+    import rewards
+
+    if not args.reward_weights or getattr(args, "allow_negative_reward_weights", False):
+        return
+    negative = {k: w for k, w in rewards.parse_reward_weights(args.reward_weights).items() if w < 0}
+    if negative:
+        listed = ", ".join(f"{k}={w:g}" for k, w in negative.items())
+        raise PreflightError(f"--reward_weights {args.reward_weights}: {listed} is negative, so the run maximises "
+                             f"minus that reward (a penalty); pass --allow_negative_reward_weights if that is meant, "
+                             f"or make the weight positive")
+
+
+def check_rollout_devices(args) -> None:
+    """--rollout_devices cuda:k on a host where torch sees no CUDA device: refused before any worker starts (it
+    would fail minutes later, in every worker's model load)."""
+    import torch
+
+    devices = [d.strip() for d in args.rollout_devices.split(",")]
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if cuda and not torch.cuda.is_available():
+        raise PreflightError(f"--rollout_devices {args.rollout_devices}: {', '.join(cuda)} but this host has no CUDA "
+                             f"device torch can use (torch.cuda.is_available() is False); pass --rollout_devices cpu "
+                             f"(or 'cpu,cpu' for two workers) on a CPU host")
+
+
+def check_init_adapter(args) -> None:
+    """--init_adapter: of this run's LoRA rank and alpha, read from its adapter_config.json (no model). The flag's
+    type (`adapter_arg`) verified the adapter itself at parse time (manifest, finiteness); it is verified again
+    where it is loaded."""
+    from models import lora
+    from models.base import read_json
+
+    from .step import init_adapter_mismatch, resolve_adapter_dir
+
+    spec = getattr(args, "init_adapter", None)
+    if not spec:
+        return
+    try:
+        config = read_json(os.path.join(resolve_adapter_dir(spec), lora.ADAPTER_CONFIG), "LoRA adapter config")
+    except (ValueError, OSError) as e:
+        raise PreflightError(f"--init_adapter {spec}: {e}") from None
+    problem = init_adapter_mismatch(spec, config, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha)
+    if problem:
+        raise PreflightError(problem)
+
+
+def truncated_prompts(args, family: str) -> dict[str, Any] | None:
+    """Qwen-Image cuts each prompt to --max_sequence_length tokens after its template prefix: count the rows of
+    --train_files / --val_files that get cut (the tokenizer only, no model). Returns {"count", "total", "rows"
+    (the first few "file:row"), "longest"} when any is cut, else None; Boogu-Image does not truncate."""
+    if family != "qwen_image":
+        return None
+    from data_prep.dataset import PromptDataset
+    from models import resolve_model_path
+    from models.qwen_image import prompt_token_lengths
+    from transformers import Qwen2Tokenizer
+
+    tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(resolve_model_path(args.model_path), "tokenizer"))
+    cut: list[str] = []
+    total, longest = 0, 0
+    for flag in ("train_files", "val_files"):
+        path = getattr(args, flag)
+        if not path:
+            continue
+        data = PromptDataset(path, guidance=False)
+        for first in range(0, len(data), 256):
+            rows = range(first, min(first + 256, len(data)))
+            lengths = prompt_token_lengths(tokenizer, [data[i].prompt for i in rows])
+            total += len(lengths)
+            for i, n in zip(rows, lengths):
+                if n > args.max_sequence_length:
+                    cut.append(f"--{flag} row {i}")
+                    longest = max(longest, n)
+    return {"count": len(cut), "total": total, "rows": cut[:5], "longest": longest} if cut else None
 
 
 def rewards_used(config, data_sources: Sequence[str]) -> list[str]:
@@ -89,6 +185,10 @@ def check_datasets(args, family: str, world: int) -> list[str]:
             data = PromptDataset(path, guidance=guided, data_sources=rewards.REWARD_NAMES)
         except (DatasetError, FileNotFoundError) as e:
             raise PreflightError(f"--{flag}: {e}") from None
+        if flag == "train_files" and len(data) < args.train_batch_size:
+            raise PreflightError(f"--train_files {path}: {len(data)} row(s), fewer than --train_batch_size "
+                                 f"{args.train_batch_size} prompts per step (a step would repeat prompts within its "
+                                 f"batch); add rows or lower --train_batch_size to at most {len(data)}")
         for i in range(len(data)):
             source, info = data.metadata(i)
             sources.append(source)
@@ -153,7 +253,10 @@ def probe_judge(args) -> float:
 
     import rewards
 
-    scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
+    import dataclasses
+
+    # a judge that is down at start-up is reported in seconds: the long --genrm_retry_total_s is for a restart mid-run
+    scorer = rewards.RewardScorer(dataclasses.replace(rewards.RewardConfig.from_args(args), genrm_retry_total_s=0.0))
     start = time.monotonic()
     try:
         scorer.score_batch([torch.full((3, 32, 32), 255, dtype=torch.uint8)], ["probe"], ["ocr"])
@@ -179,8 +282,12 @@ def run_preflight(args, world: int) -> dict[str, Any]:
     sources = check_datasets(args, family, world)
     names = rewards_used(rewards.RewardConfig.from_args(args), sources)
     check_rewards(args, names)
+    check_init_adapter(args)
     check_output_dir(args.output_dir)
     found: dict[str, Any] = {"family": family, "rewards": names}
+    cut = truncated_prompts(args, family)
+    if cut:
+        found["truncated_prompts"] = cut
     if "ocr" in names and args.ocr_backend == "http":
         found["judge_probe_s"] = probe_judge(args)
     return found

@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -14,25 +17,32 @@ import torch.distributed as dist
 from models import lora
 from models.base import attention_backend
 
-from .distributed import (cleanup_distributed, collective_timeout_s, get_rank, init_distributed, on_rank0,
-                          seed_everything)
+from .distributed import (RankFailed, cleanup_distributed, collective_timeout_s, get_rank, init_distributed,
+                          on_rank0, raise_if_any_rank_failed, seed_everything)
+from .lifecycle import RunLock, RunLockError, install_collective_explainer, start_heartbeats, watch_parent
 from .preflight import PreflightError, check_flags, run_preflight
 from .profiling import step_profiler
 from .model import ADAPTER_DEFAULT, adapter_params, prepare_transformer
 from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
 from .data import PromptSampler
-from .checkpoint import (ResumePlan, _complete_steps, _on_rank0, content_fingerprints, find_latest, load_checkpoint,
-                         prepare_resume, save_checkpoint)
+from .checkpoint import (CheckpointError, GatheredState, ResumePlan, _complete_steps, _on_rank0, content_fingerprints,
+                         find_latest, gather_checkpoint, load_checkpoint, prepare_resume, save_gathered,
+                         write_checkpoint)
+from .logs import all_gather_objects
 from .logs import Progress, TensorBoardLogger, perf_metrics, run_summary, tee_console, write_run_metadata
 from .step import (check_batch_sizes, clean_rollout_adapters, guidance_of, load_flow_model, load_init_adapter,
                    parse_lora_init, resolve_device, sync_rollout_adapter, validate)
 
-__all__ = ["Run", "setup_run", "StopSignals", "TrainingDiverged", "prepare_output_dir"]
+__all__ = ["Run", "setup_run", "StopSignals", "TrainingDiverged", "prepare_output_dir", "FATAL_SAVE_EXCLUDED"]
 
 
 class TrainingDiverged(RuntimeError):
     """--max_consecutive_skips optimizer steps in a row were non-finite; the message says what to resume from."""
+
+
+# errors in the state itself: no checkpoint is written from it on the way out (see `Run.fail_with_checkpoint`)
+FATAL_SAVE_EXCLUDED: tuple[type, ...] = (TrainingDiverged, CheckpointError)
 
 
 class StopSignals:
@@ -45,11 +55,33 @@ class StopSignals:
         self.signum = 0
         self.received_at: float | None = None
         self.announce = announce
+        self.on_signal: Any = None  # called once, from a helper thread, the moment the first SIGTERM/SIGINT lands
 
-    def install(self) -> "StopSignals":
+    def install(self, on_signal: Any = None) -> "StopSignals":
+        """Handle SIGTERM / SIGINT (main thread only). `on_signal(signum)`, when given, runs in a daemon thread as
+        soon as the first one arrives, even while the main thread is blocked in C code (a collective, a long
+        forward): Python runs signal handlers only between bytecodes of the main thread, but the C-level handler
+        writes the signal number to `signal.set_wakeup_fd`'s socket at once, which that thread reads."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        if on_signal is not None:
+            self.on_signal = on_signal
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (reader, writer)  # kept alive with the handler
+            threading.Thread(target=self._watch, args=(reader,), name="stop-signal", daemon=True).start()
         return self
+
+    def _watch(self, reader: socket.socket) -> None:
+        while True:
+            data = reader.recv(64)
+            if not data:
+                return
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self.on_signal(signum)
+                    return
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -65,6 +97,14 @@ class StopSignals:
             if self.announce:  # os.write: print() is not safe inside a signal handler
                 os.write(2, f"received {name}: stopping at the end of this step, with a checkpoint (send it again "
                             f"after 3 s to stop at once)\n".encode())
+
+
+def _say(line: str, stream) -> None:
+    """Print `line` from a helper thread (not a signal handler); a closed console (a dead launcher) is ignored."""
+    try:
+        print(line, file=stream, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 @dataclass
@@ -108,6 +148,9 @@ class Run:
     last_checkpoint: str | None = None  # the path `save` wrote last (the end-of-run summary names it)
     last_val_metrics: dict[str, float] = field(default_factory=dict)  # the last validation's metrics (same)
     save_pending: bool = False     # a checkpoint that fell on a skipped (non-finite) step: written at the next good one
+    snapshot: GatheredState | None = None  # rank 0: the last finished (applied) step's state, not yet on disk
+    run_lock: RunLock | None = None        # rank 0: <output_dir>/RUN_LOCK, released by close()
+    _save_lock: threading.Lock = field(default_factory=threading.Lock)
     _applied_seen: int = 0
     _skipped_seen: int = 0
 
@@ -146,10 +189,13 @@ class Run:
         over_budget = bool(signum and budget > 0 and now - signals.received_at > budget)
         wall = bool(args.max_wall_time_s and args.max_wall_time_s > 0 and done > self.start_step
                     and now - self.started_at >= args.max_wall_time_s)
-        flags = torch.tensor([float(signum), float(wall), float(over_budget)], dtype=torch.float64)
+        # rank 0's last saved step: a signal may have had the last finished step written at once (`_write_snapshot`)
+        flags = torch.tensor([float(signum), float(wall), float(over_budget), float(self.last_saved_step)],
+                             dtype=torch.float64)
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, also in the NCCL+gloo group
         signum, wall, over_budget = int(flags[0]), bool(flags[1]), bool(flags[2])
+        self.last_saved_step = int(flags[3])
         if signum or wall:
             self._stop(done, signum, wall, over_budget)
 
@@ -181,27 +227,119 @@ class Run:
         self.close()
         raise SystemExit(code)
 
+    def gather(self, step: int) -> GatheredState:
+        """The state of finished step `step`, gathered to rank 0 (`gather_checkpoint`). Collective."""
+        return gather_checkpoint(step, transformer=self.model.transformer, optimizer=self.optimizer,
+                                 lora_config=self.lora_config, config=self.ckpt_config or self.config,
+                                 sampler=self.sampler, adapter_names=self.adapter_names,
+                                 trainer_state={"grad_stepper": self.stepper.state_dict(),
+                                                "last_update_step": self.last_update_step,
+                                                "lr_scheduler": lr_scheduler_state(self.lr_scheduler)})
+
     def save(self, step: int) -> str:
         """Checkpoint `step` (see `save_checkpoint`) and say so on rank 0. Collective."""
         start = time.perf_counter()
-        path = save_checkpoint(self.ckpt_root, step, transformer=self.model.transformer, optimizer=self.optimizer,
-                               lora_config=self.lora_config, config=self.ckpt_config or self.config,
-                               sampler=self.sampler, adapter_names=self.adapter_names,
-                               trainer_state={"grad_stepper": self.stepper.state_dict(),
-                                              "last_update_step": self.last_update_step,
-                                              "lr_scheduler": lr_scheduler_state(self.lr_scheduler)},
-                               keep_last=self.args.keep_last)
-        self.last_saved_step, self.save_pending, self.last_checkpoint = step, False, path
+        gathered = self.gather(step)
+        with self._save_lock:
+            path = save_gathered(self.ckpt_root, gathered, keep_last=self.args.keep_last)
+            self.last_saved_step, self.save_pending, self.snapshot = step, False, None
+            self.last_checkpoint = path
         if self.rank == 0:
             print(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s)", flush=True)
         return path
 
+    def keep_snapshot(self, step: int) -> None:
+        """--save_on_exit last_step: hold finished step `step`'s state in rank 0's memory, so that a signal, a fatal
+        judge / rollout error or the torchrun agent's death can write it at once (`_write_snapshot`) instead of
+        losing the steps since the last checkpoint. Collective (one gather of the LoRA-sized state)."""
+        if getattr(self.args, "save_on_exit", "off") != "last_step" or step <= self.last_saved_step:
+            return
+        gathered = self.gather(step)
+        with self._save_lock:
+            self.snapshot = gathered if self.rank == 0 else None
+
+    def _write_snapshot(self, why: str, lock_timeout_s: float = 600.0) -> str | None:
+        """Rank 0, no collective (safe from a helper thread while the main thread is anywhere): write the held
+        state of the last finished step unless it is already on disk; print one line saying so and why. Returns
+        the checkpoint path (None when there was nothing to write or the write failed, which is printed too)."""
+        if self.rank != 0:
+            return None
+        if not self._save_lock.acquire(timeout=lock_timeout_s):  # the main thread is inside a save of its own
+            _say(f"not saving the last finished step ({why}): a checkpoint save is still in progress", sys.stderr)
+            return None
+        try:
+            snap = self.snapshot
+            if snap is None or snap.step <= self.last_saved_step:
+                return None
+            start = time.perf_counter()
+            try:
+                path = write_checkpoint(self.ckpt_root, snap, keep_last=self.args.keep_last)
+            except Exception as e:  # noqa: BLE001 - reported; the caller goes on with its own way out
+                _say(f"could not save the last finished step {snap.step} ({why}): {type(e).__name__}: {e}",
+                     sys.stderr)
+                return None
+            self.last_saved_step, self.snapshot = snap.step, None
+        finally:
+            self._save_lock.release()
+        _say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s): step {snap.step}, the last finished "
+             f"step, written at once ({why})", sys.stdout)
+        return path
+
+    def _on_signal(self, signum: int) -> None:
+        """The first SIGTERM / SIGINT (from the stop-signal thread): write the last finished step now, within the
+        launcher's shutdown window, whatever the main thread is doing; it still stops at the end of its step and
+        saves that one too if it gets there in time."""
+        self._write_snapshot(f"on {signal.Signals(signum).name}")
+
+    def _on_orphaned(self, old: int, new: int) -> None:
+        """The parent watchdog: the torchrun agent (pid `old`) died, so no one supervises this rank any more. Write
+        the last finished step (rank 0), say so, and exit at once; the rank's rollout workers die with it (their
+        parent-death signal)."""
+        _say(f"rank {self.rank}: the torchrun agent (pid {old}) died (parent is now {new}): exiting, and its "
+             f"rollout workers with it", sys.stderr)
+        self._write_snapshot(f"the torchrun agent pid {old} died", lock_timeout_s=30.0)
+        os._exit(1)
+
+    def fail_with_checkpoint(self, error: BaseException, what: str, *, agreed: bool = True) -> None:
+        """A fatal error (a judge that stays down, a dead rollout worker, a failed collective): write the last
+        finished step before the run ends, unless the error is in the state itself (a divergence, a checkpoint
+        that cannot be written). `agreed`: every rank raises this error alike, so the others wait for rank 0's
+        write (one barrier; torchrun would otherwise kill rank 0 mid-write once they exit); False for an error of
+        the collective itself, where a barrier would only time out again. The caller raises `error`."""
+        if isinstance(error, FATAL_SAVE_EXCLUDED) or getattr(self.args, "save_on_exit", "off") != "last_step":
+            return
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        self._write_snapshot(f"before stopping on the error in {what}: {type(error).__name__}: {first}")
+        if agreed and dist.is_initialized() and self.world > 1:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - the error being raised says more
+                pass
+
     def sync_rollout(self, adapter: str, step: int) -> dict[str, float]:
-        """Publish `adapter` to the rollout workers as version `step` (see `sync_rollout_adapter`). Collective."""
+        """Publish `adapter` to the rollout workers as version `step` (see `sync_rollout_adapter`). Collective: a
+        failure on any rank (a rollout worker that died) ends every rank with its message, after the last finished
+        step was written (`fail_with_checkpoint`)."""
         self.rollout_adapter, self.rollout_version = adapter, step
-        return sync_rollout_adapter(self.rollout, self.model.transformer, adapter, self.lora_config,
-                                    self.adapters_root, step, self.num_lora_modules,
-                                    engine_names=self.args.rollout_engine == "vllm_omni")
+        error: BaseException | None = None
+        timings: dict[str, float] = {}
+        try:
+            timings = sync_rollout_adapter(self.rollout, self.model.transformer, adapter, self.lora_config,
+                                           self.adapters_root, step, self.num_lora_modules,
+                                           engine_names=self.args.rollout_engine == "vllm_omni")
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
+            error = e
+        self.raise_fatal(error, f"the adapter sync of step {step}")
+        return timings
+
+    def raise_fatal(self, error: BaseException | None, what: str) -> None:
+        """Collective: every rank hears whether any rank failed in phase `what` (`raise_if_any_rank_failed`); if one
+        did, the last finished step is written (`fail_with_checkpoint`) and every rank raises."""
+        try:
+            raise_if_any_rank_failed(error, what)
+        except Exception as e:
+            self.fail_with_checkpoint(e, what, agreed=e is error or isinstance(e, RankFailed))
+            raise
 
     def validate(self, step: int) -> dict[str, float]:
         """ODE validation on the test split (see `validate`). Collective.
@@ -255,6 +393,8 @@ class Run:
                     print(f"step {step}: checkpoint deferred to the next step whose update is applied", flush=True)
             else:
                 self.save(step)
+        if not skipped_now:  # a skipped step's weights just gave NaN/inf: the held state stays the last good one
+            self.keep_snapshot(step)
 
     def _track_updates(self, step: int) -> bool:
         """After step `step`: note whether its update was applied, report skips, and stop the run (TrainingDiverged,
@@ -311,38 +451,63 @@ class Run:
         self.rollout.close()
         self.logger.close()
         cleanup_distributed()
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
 
 def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
-    """Both trainers' setup, in order: the model-free start-up checks (`training.preflight`: flags, sizes, every
-    dataset row, output folder, judge), distributed init (collective timeout from the flags) and seeds; the console
-    log file; TensorBoard and run metadata (config, versions, git commit); the model (transformer only), LoRA
-    adapters `adapter_names` + FSDP2 (`default` from --init_adapter when given); AdamW and the lr schedule; train/val data, the sampler and the
-    batch-size checks; the reward scorer; `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr
-    schedule); the rollout workers of this node. Adapters are NOT yet synced to the workers: the trainer does
-    that with the adapter its algorithm samples from."""
+    """Both trainers' setup, in order: under torchrun, the parent watchdog (a rank whose agent died exits); the
+    model-free start-up checks (`training.preflight`: flags, sizes, every dataset row, --init_adapter, output folder,
+    judge; a refusal exits with its one line), distributed init (collective timeout from the flags); the run lock
+    of --output_dir (`lifecycle.RunLock`, rank 0); the console log file, the heartbeats (several ranks) and seeds;
+    `--resume` decided model-free (`prepare_output_dir`); TensorBoard and run metadata (config, versions, git
+    commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2 (`default` from --init_adapter when
+    given); AdamW and the lr schedule; train/val data, the sampler and the batch-size checks; the reward scorer;
+    `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr schedule); the rollout workers of this
+    node; the SIGTERM/SIGINT handling (`StopSignals`, with the at-once write of the last finished step). Adapters
+    are NOT yet synced to the workers: the trainer does that with the adapter its algorithm samples from."""
     from data_prep.dataset import PromptDataset
     from models import resolve_model_path
     import rewards
     from rollout import DistributedRollout, check_rollout_python
 
     config = vars(args)
-    try:  # first, so that the traceback of any start-up error goes to <output_dir>/train.log (training.cli.run_cli)
-        tee_console(args.output_dir)
-    except OSError:
-        pass  # an --output_dir that cannot be written: preflight's check_output_dir names it and the fix
+    # under torchrun, a rank whose agent died (kill -9) exits instead of training on unsupervised (`Run._on_orphaned`
+    # once the Run exists; before that, at once)
+    orphaned: list[Any] = [lambda old, new: (_say(f"the torchrun agent (pid {old}) died during start-up: exiting",
+                                                  sys.stderr), os._exit(1))]
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        watch_parent(lambda old, new: orphaned[0](old, new))
     # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
     # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
+    # (a refusal is one line on the console, no traceback: training.cli.run_cli; nothing is written into
+    # --output_dir before the run lock is held, so a refused second run leaves the live run's files alone)
     check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
     group_timeout_s = collective_timeout_s(args)  # the main group's and the rollout node subgroups'
     dist_info = init_distributed(resolve_device(args.device), timeout_s=group_timeout_s)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
     found = on_rank0(lambda: run_preflight(args, world), catch=(ValueError, OSError), exc_type=PreflightError)
+    # one live run per --output_dir (before the console log, TensorBoard, the resume tidying or any model)
+    ranks = all_gather_objects({"host": socket.gethostname(), "pid": os.getpid()})
+    run_lock = on_rank0(lambda: RunLock.acquire(args.output_dir, ranks=ranks), catch=(RunLockError, OSError),
+                        exc_type=RunLockError)
     tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors
+    if world > 1:  # a rank frozen (SIGSTOP) or hung is named by rank 0, and in a collective's timeout error
+        start_heartbeats(args.output_dir, rank, world, say=lambda line: _say(line, sys.stdout))
+        install_collective_explainer(args.output_dir, world)
+    if rank == 0 and run_lock.message:
+        print(run_lock.message, flush=True)
     if rank == 0:
         probe = f", judge answered in {found['judge_probe_s']:.2f} s" if "judge_probe_s" in found else ""
         print(f"preflight: flags, {found['family']} size {args.height}x{args.width}, every dataset row, rewards "
               f"{', '.join(found['rewards'])}, output folder ok{probe}", flush=True)
+        cut = found.get("truncated_prompts")
+        if cut:  # once per run, here: the rollout workers would cut them silently
+            print(f"WARNING: {cut['count']} of {cut['total']} prompts are longer than --max_sequence_length "
+                  f"{args.max_sequence_length} tokens (the longest {cut['longest']}) and are cut to it by the text "
+                  f"encoder (e.g. {', '.join(cut['rows'])}); raise --max_sequence_length (up to 1024) or shorten "
+                  f"them", flush=True)
     seed_everything(args.seed)
     # --rollout_python, model-free, on the rank of each node that will start its rollout workers
     rollout_env = check_rollout_python(args.rollout_python, args.rollout_engine) if dist_info.is_local_main \
@@ -408,16 +573,19 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
                                  profile_generate=max(0, args.profile_step - start_step))
     if rank == 0:
         print(f"rollout: the workers are ready ({time.monotonic() - started:.1f} s)", flush=True)
-    return Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
+    run = Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
                scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
                val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
                ckpt_root=ckpt_root, adapters_root=os.path.join(args.output_dir, "rollout_adapters"),
                start_step=start_step, progress=Progress(args.total_training_steps, start_step),
                lr_scheduler=lr_scheduler,
-               ckpt_config=ckpt_config, stop_signals=StopSignals(rank == 0).install(),
+               ckpt_config=ckpt_config, stop_signals=StopSignals(rank == 0),
                last_update_step=last_update_step, _applied_seen=stepper.applied_steps,
-               _skipped_seen=stepper.skipped_steps)
+               _skipped_seen=stepper.skipped_steps, run_lock=run_lock if rank == 0 else None)
+    run.stop_signals.install(on_signal=run._on_signal)
+    orphaned[0] = run._on_orphaned
+    return run
 
 
 def prepare_output_dir(args, config: Mapping[str, Any], adapter_names) -> tuple[ResumePlan, dict[str, Any]]:
@@ -431,6 +599,16 @@ def prepare_output_dir(args, config: Mapping[str, Any], adapter_names) -> tuple[
     plan = prepare_resume(args.resume, os.path.join(out, "checkpoints"), ckpt_config, adapter_names=adapter_names,
                           force=args.resume_force, set_aside_with_checkpoints=(
                               os.path.join(out, "tensorboard"), os.path.join(out, "run_metadata.json")))
+    if plan.path and plan.step > args.total_training_steps:
+        raise PreflightError(f"--total_training_steps {args.total_training_steps} is below the step of the "
+                         f"checkpoint to resume ({plan.path}, step {plan.step}): pass --total_training_steps "
+                         f"{plan.step} or more to continue it, or --resume never to start over (its checkpoints are "
+                         f"moved aside)")
+    if plan.path and plan.step == args.total_training_steps:
+        if get_rank() == 0:
+            print(f"nothing to do: {plan.path} is at step {plan.step} = --total_training_steps (pass a larger value "
+                  f"to continue the run)", flush=True)
+        raise SystemExit(0)
     if get_rank() == 0:
         cleaned = clean_rollout_adapters(os.path.join(out, "rollout_adapters"))
         for line in [*plan.messages, *([cleaned] if cleaned else [])]:

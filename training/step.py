@@ -25,7 +25,7 @@ from .distributed import all_gather_cat, barrier, get_rank, get_world_size, is_m
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, _full, _strip_adapter, adapter_config_dict, adapter_params,
                     adapter_state_dict, base_weight_dtype, load_adapter_state_, save_adapter_dir)
 from .optim import LR_SCHEDULES
-from .checkpoint import MARKER, find_latest
+from .checkpoint import MARKER, CheckpointError, find_latest, read_verified_adapter
 from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, reward_metrics, timer,
                    validation_metrics)
 
@@ -33,10 +33,12 @@ __all__ = [
     "add_common_args", "resolve_device", "guidance_of", "guidance_for", "rollout_request", "score_samples",
     "global_advantages",
     "sync_rollout_adapter", "parse_lora_init", "load_flow_model", "check_batch_sizes",
-    "resolve_adapter_dir", "adapter_arg", "load_init_adapter", "ValidationOutcome", "run_validation", "validate",
+    "resolve_adapter_dir", "adapter_arg", "verify_adapter_spec", "init_adapter_mismatch", "load_init_adapter",
+    "ValidationOutcome", "run_validation", "validate",
     "prune_rollout_adapters", "clean_rollout_adapters", "score_inputs", "RewardStream", "rollout_and_score",
     "submit_rollout", "peek_batch", "lag_next_rollout", "check_rollout_lag", "publish_adapter_tensors",
-    "publish_tensors", "JUDGE_LOG", "judge_records", "log_judge_replies"
+    "publish_tensors", "JUDGE_LOG", "judge_records", "log_judge_replies", "nonfinite_rows", "score_finite",
+    "JudgeRepliesEmpty", "empty_reply_counts",
 ]
 
 
@@ -156,7 +158,13 @@ def add_common_args(parser) -> None:
     g.add_argument("--stop_save_budget_s", type=float, default=0.0,
                    help="after SIGTERM/SIGINT the run finishes its step and saves there; with a budget > 0 it skips "
                         "that save when the step ended later than this many seconds after the signal (0 = always save)")
-    g.add_argument("--output_dir", default="outputs/run", help="TensorBoard logs, checkpoints, adapters")
+    g.add_argument("--save_on_exit", default="last_step", choices=["last_step", "off"],
+                   help="last_step: rank 0 holds the last finished step's state in host memory (one gather of the "
+                        "LoRA-sized state per step) and writes it at once on SIGTERM/SIGINT (within the launcher's "
+                        "shutdown window, whatever the step is doing), on a fatal judge or rollout-worker error, and "
+                        "when the torchrun agent dies; off: only --save_freq checkpoints and the stop at a step end")
+    g.add_argument("--output_dir", default="outputs/run",
+                   help="TensorBoard logs, checkpoints, adapters; one live run per folder (<output_dir>/RUN_LOCK)")
     g.add_argument("--log_every", type=int, default=1)
     g.add_argument("--judge_log_freq", type=int, default=10,
                    help="every N training steps, append every judge reply of the step (verbatim, with the row, "
@@ -172,6 +180,10 @@ def add_common_args(parser) -> None:
                         "worker's N-th generate request, N = this step - the start step: the step's rollout unless "
                         "a validation or --rollout_policy_lag 1 sent requests in between); 0 = off. "
                         "scripts/bench_step.py --profile reads them")
+    g.add_argument("--judge_max_empty_frac", type=float, default=0.9,
+                   help="stop the run when more than this fraction of a step's OCR judge replies are empty (a judge "
+                        "that reads nothing trains on zeros); the message names <output_dir>/judge_replies.jsonl "
+                        "(1 = never stop)")
     g.add_argument("--collective_timeout_s", type=float, default=0.0,
                    help="timeout of the process groups (main and per node); 0 = the longest per-phase timeout "
                         "(--rollout_timeout_s, --rollout_startup_timeout_s, a judge request with its retries) + "
@@ -234,9 +246,46 @@ def score_inputs(rows: Sequence[Any], n: int) -> dict[str, list]:
             "extra_infos": [row.extra_info for row in rows for _ in range(n)]}
 
 
-def score_samples(scorer, images: torch.Tensor, rows: Sequence[Any], n: int):
-    """Rewards (B,) for this rank's samples (prompt-major, n per prompt), chosen by each row's data_source."""
-    return scorer.score_batch(images, **score_inputs(rows, n))
+def score_samples(scorer, images: torch.Tensor, rows: Sequence[Any], n: int, bad: Sequence[int] = ()):
+    """Rewards (B,) for this rank's samples (prompt-major, n per prompt), chosen by each row's data_source; the
+    samples `bad` (non-finite, `nonfinite_rows`) are not scored (`score_finite`)."""
+    return score_finite(scorer, images, score_inputs(rows, n), bad)
+
+
+def nonfinite_rows(result) -> list[int]:
+    """The rows of a `RolloutResult` whose sampled latents (and, where returned, trajectory, log-probs and
+    transition means) hold NaN/inf: their uint8 images are garbage (NaN casts to black), never a policy's sample."""
+    bad = torch.zeros(len(result.images), dtype=torch.bool)  # one image per row
+    for name in ("latents_clean", "all_latents", "all_log_probs", "all_means"):
+        t = getattr(result, name, None)
+        if torch.is_tensor(t) and t.is_floating_point():
+            bad |= ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
+    return [int(i) for i in torch.nonzero(bad).flatten()]
+
+
+def score_finite(scorer, images: torch.Tensor, inputs: dict[str, list], bad: Sequence[int] = ()):
+    """`scorer.score_batch(images, **inputs)` over the rows not in `bad` only: a non-finite sample is never sent to
+    a reward. Its reward is a 0.0 placeholder (its step's update is skipped, see `rollout_and_score`), its extras
+    NaN and its texts None. With no bad row this is exactly one `score_batch` call over every row."""
+    import rewards
+
+    if not bad:
+        return scorer.score_batch(images, **inputs)
+    n, bad_set = len(images), set(bad)
+    good = [i for i in range(n) if i not in bad_set]
+    full = rewards.RewardResult(rewards=torch.zeros(n), extras={}, texts={})
+    if not good:
+        return full
+    part = scorer.score_batch(images[good], **{key: [values[i] for i in good] for key, values in inputs.items()})
+    full.rewards[good] = part.rewards.float()
+    for key, values in part.extras.items():
+        full.extras[key] = torch.full((n,), float("nan"))
+        full.extras[key][good] = values.float()
+    for key, texts in part.texts.items():
+        full.texts[key] = [None] * n
+        for j, i in enumerate(good):
+            full.texts[key][i] = texts[j]
+    return full
 
 
 class RewardStream:
@@ -276,23 +325,25 @@ class RewardStream:
                 if lo >= hi:
                     continue
                 images = part.images[lo - first_row:hi - first_row]
+                bad = [r - (lo - first_row) for r in nonfinite_rows(part) if lo - first_row <= r < hi - first_row]
                 if self.by_chunk:
-                    self._submit(rank, lo - offset, hi - offset, images)
+                    self._submit(rank, lo - offset, hi - offset, images, bad)
                     continue
-                self.waiting[rank].append((lo - offset, images))
-                if sum(len(im) for _, im in self.waiting[rank]) == size:
-                    ordered = torch.cat([im for _, im in sorted(self.waiting[rank], key=lambda item: item[0])])
+                self.waiting[rank].append((lo - offset, images, bad))
+                if sum(len(im) for _, im, _ in self.waiting[rank]) == size:
+                    parts = sorted(self.waiting[rank], key=lambda item: item[0])
+                    ordered = torch.cat([im for _, im, _ in parts])
                     self.waiting[rank] = []
-                    self._submit(rank, 0, size, ordered)
+                    self._submit(rank, 0, size, ordered, [start + b for start, _, bads in parts for b in bads])
 
-    def _submit(self, rank: int, lo: int, hi: int, images: torch.Tensor) -> None:
+    def _submit(self, rank: int, lo: int, hi: int, images: torch.Tensor, bad: Sequence[int] = ()) -> None:
         inputs = {key: values[lo:hi] for key, values in self.payloads[rank].items()}
-        self.futures[rank].append((lo, self.pool.submit(self._score, images, inputs)))
+        self.futures[rank].append((lo, self.pool.submit(self._score, images, inputs, bad)))
 
-    def _score(self, images: torch.Tensor, inputs: dict[str, list]):
+    def _score(self, images: torch.Tensor, inputs: dict[str, list], bad: Sequence[int] = ()):
         start = time.monotonic()
         try:
-            return self.scorer.score_batch(images, **inputs)
+            return score_finite(self.scorer, images, inputs, bad)
         finally:
             with self.lock:
                 self.spans.append((start, time.monotonic()))
@@ -346,22 +397,46 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
     error: BaseException | None = None
     result = scored = None
     stats: dict[str, float] = {}
+    bad: list[int] = []
     try:
         lagged = run.rollout.has_pending
         if not lagged:
             submit_rollout(run, request, rows)
         result, scored, stats = run.rollout.collect(request, lagged=lagged)
+        bad = nonfinite_rows(result)  # never scored (RewardStream / score_samples skip them)
         if scored is None:  # --no_reward_overlap: each rank scores its own samples now
             start = time.perf_counter()
-            scored = score_samples(run.scorer, result.images, rows, run.args.rollout_n)
+            scored = score_samples(run.scorer, result.images, rows, run.args.rollout_n, bad)
             stats["timing_s/reward"] = stats["timing_s/reward_total"] = time.perf_counter() - start
     except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
         error = e
-    raise_if_any_rank_failed(error, f"the rollout{f' of step {step}' if step is not None else ''}")
+    phase = f"the rollout{f' of step {step}' if step is not None else ''}"
+    run.raise_fatal(error, phase)  # every rank raises alike, after the last finished step was written
+    counts = _sum_over_ranks([len(bad), *empty_reply_counts(scored)])
+    nonfinite, empty, judged = int(counts[0]), int(counts[1]), int(counts[2])
+    stats["rollout/nonfinite_samples"] = float(nonfinite)
+    # like a non-finite loss: every update of this step is skipped (and counted towards --max_consecutive_skips)
+    run.stepper.reject_batch(f"{nonfinite} non-finite rollout sample(s) (NaN/inf latents; not scored)"
+                             if nonfinite else "")
+    if nonfinite and get_rank() == 0:
+        print(f"step {step}: {nonfinite} rollout sample(s) came back non-finite (NaN/inf latents): not scored, and "
+              f"the step's update is skipped like a non-finite loss", flush=True)
     freq = getattr(run.args, "judge_log_freq", 0)
-    if step is not None and freq and step % freq == 0:
+    limit = getattr(run.args, "judge_max_empty_frac", 1.0)
+    too_empty = step is not None and judged > 0 and empty / judged > limit
+    if step is not None and ((freq and step % freq == 0) or too_empty):
         log_judge_replies(run.args.output_dir, judge_records(rows, run.args.rollout_n, scored, phase="train",
                                                              step=step))
+    if too_empty:
+        backend = run.args.ocr_backend
+        which = f"--genrm_url {run.args.genrm_url}" if backend == "http" else f"--ocr_backend {backend}"
+        error = JudgeRepliesEmpty(
+            f"the OCR judge ({which}) returned empty replies for {empty} of the {judged} "
+            f"samples it read in step {step} ({empty / judged:.0%} > --judge_max_empty_frac {limit:g}): a judge that "
+            f"reads nothing trains on zero rewards. Its replies are in {os.path.join(run.args.output_dir, JUDGE_LOG)}; "
+            f"check the served model and its prompt, then --resume auto")
+        run.fail_with_checkpoint(error, phase)
+        raise error
     version = result.metadata.get("adapter_version")  # as the workers report it: "v<step>" (sync_rollout_adapter)
     if isinstance(version, str) and version[1:].isdigit():
         stats["rollout/adapter_version"] = float(version[1:])
@@ -370,6 +445,32 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
 
 
 JUDGE_LOG = "judge_replies.jsonl"
+
+
+class JudgeRepliesEmpty(RuntimeError):
+    """More than --judge_max_empty_frac of a step's judge replies were empty; the message names the replies' log."""
+
+
+def empty_reply_counts(scored) -> tuple[int, int]:
+    """(empty replies, samples the OCR judge read) of one `RewardResult` (`rewards.OCR_EMPTY_REPLY`: 1 / 0 per
+    judged sample, NaN where no judge read it)."""
+    import rewards
+
+    flags = scored.extras.get(rewards.OCR_EMPTY_REPLY) if scored is not None else None
+    if flags is None:
+        return 0, 0
+    read = ~torch.isnan(flags)
+    return int(flags[read].sum().item()), int(read.sum().item())
+
+
+def _sum_over_ranks(values: Sequence[float]) -> torch.Tensor:
+    """`values` summed over every rank (one all_reduce of a float64 CPU tensor; as is without a process group)."""
+    import torch.distributed as dist
+
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if dist.is_initialized() and get_world_size() > 1:
+        dist.all_reduce(total)
+    return total
 
 
 def judge_records(rows: Sequence[Any], n: int, scored, *, phase: str, step: int,
@@ -648,14 +749,34 @@ def resolve_adapter_dir(spec: str) -> str:
                      f"checkpoint folder (adapters/<name>/){hint}")
 
 
+def verify_adapter_spec(spec: str) -> tuple[str, dict, dict]:
+    """(folder, adapter_config, modules) of the adapter `spec` names (`resolve_adapter_dir`), verified as
+    `read_verified_adapter` does (its checkpoint's sha256 manifest when it has one, finiteness always). Model-free;
+    raises ValueError / CheckpointError naming the adapter and the fix."""
+    path = resolve_adapter_dir(spec)
+    config, modules = read_verified_adapter(path)
+    return path, config, modules
+
+
 def adapter_arg(spec: str) -> str:
-    """argparse `type=` for adapter flags: checks `spec` with `resolve_adapter_dir` at parse time (before any
-    model loads) and keeps it as written."""
+    """argparse `type=` for adapter flags: checks `spec` with `verify_adapter_spec` at parse time (before any
+    model loads: where it is, its manifest, its finiteness) and keeps it as written."""
     try:
-        resolve_adapter_dir(spec)
-    except ValueError as e:
+        verify_adapter_spec(spec)
+    except (ValueError, CheckpointError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return spec
+
+
+def init_adapter_mismatch(spec: str, config: dict, *, lora_rank: int, lora_alpha: float) -> str | None:
+    """Why the --init_adapter whose adapter_config is `config` cannot start this run's LoRA (None when it can):
+    its rank and alpha must be the run's, and it must not be rsLoRA."""
+    if int(config.get("r", -1)) != lora_rank or float(config.get("lora_alpha", -1)) != float(lora_alpha) \
+            or config.get("use_rslora"):
+        return (f"--init_adapter {spec}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
+                f"use_rslora={config.get('use_rslora', False)}; this run has --lora_rank {lora_rank} "
+                f"--lora_alpha {lora_alpha} (no rsLoRA): pass the adapter's values")
+    return None
 
 
 def load_init_adapter(transformer, spec: str | None, *, lora_rank: int, lora_alpha: float, expected_modules: int,
@@ -666,13 +787,10 @@ def load_init_adapter(transformer, spec: str | None, *, lora_rank: int, lora_alp
     `spec` is None). Every rank calls it (each reads the full tensors and keeps its shard; no communication)."""
     if not spec:
         return 0
-    path = resolve_adapter_dir(spec)
-    config, modules = lora.read_adapter(path)
-    if int(config.get("r", -1)) != lora_rank or float(config.get("lora_alpha", -1)) != float(lora_alpha) \
-            or config.get("use_rslora"):
-        raise ValueError(f"--init_adapter {spec}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}, "
-                         f"use_rslora={config.get('use_rslora', False)}; this run has --lora_rank {lora_rank} "
-                         f"--lora_alpha {lora_alpha} (no rsLoRA): pass the adapter's values")
+    path, config, modules = verify_adapter_spec(spec)
+    problem = init_adapter_mismatch(spec, config, lora_rank=lora_rank, lora_alpha=lora_alpha)
+    if problem:
+        raise ValueError(problem)
     load_adapter_state_(transformer, adapter, {f"{module}.lora_{ab}.weight": t for module, pair in modules.items()
                                                for ab, t in pair.items()})
     if len(modules) != expected_modules:  # load_adapter_state_ is strict, so this only guards its contract
@@ -703,7 +821,8 @@ def run_validation(rollout_client, scorer, dataset, args, *, family: str, scale:
     one sample per prompt with seed `rollout.row_seed(--val_seed, 1, prompt index)` (so the numbers do not depend
     on the world size or batching), noise 0, --val_num_inference_steps, --height x --width, CFG `scale`; rewards
     from `scorer`; `val-core/<data_source>/reward/mean@1` + val-aux extras (`validation_metrics`) over every
-    rank's samples, plus `timing_s/testing`. `rollout_client`: anything with `generate(RolloutRequest)` (the
+    rank's samples that came back finite, `val-aux/nonfinite_samples` (the others: never scored, their records'
+    reward NaN and "nonfinite": True), plus `timing_s/testing`. `rollout_client`: anything with `generate(RolloutRequest)` (the
     trainers' DistributedRollout, evaluate.py's NativeEngine). Collective."""
     world, rank = get_world_size(), get_rank()
     total = len(dataset) if not args.val_max_samples else min(len(dataset), args.val_max_samples)
@@ -717,20 +836,25 @@ def run_validation(rollout_client, scorer, dataset, args, *, family: str, scale:
                                   num_inference_steps=args.val_num_inference_steps, height=args.height,
                                   width=args.width, family=family, scale=scale, noise_level=0.0)
         result = rollout_client.generate(request)
-        scored = score_samples(scorer, result.images, rows, 1)
+        bad = nonfinite_rows(result)  # never scored: their images are not a policy's samples
+        scored = score_samples(scorer, result.images, rows, 1, bad)
     local = []
     for j, row in enumerate(rows):
         record = {"index": row.index, "data_source": row.data_source, "ground_truth": row.ground_truth,
                   "prompt": prompt_text(row.prompt), "seed": request.seeds[j], "reward": float(scored.rewards[j])}
         record.update({key: float(values[j]) for key, values in sorted(scored.extras.items())})
         record.update({key: texts[j] for key, texts in sorted(scored.texts.items()) if texts[j] is not None})
+        if j in bad:
+            record.update(reward=float("nan"), nonfinite=True)
         local.append(record)
     samples = [record for part in all_gather_objects(local) for record in part]
-    variables = sorted({k for r in samples for k, v in r.items() if isinstance(v, float)}  # texts are not scores
+    finite = [r for r in samples if not r.get("nonfinite")]  # the metrics are over the samples that were scored
+    variables = sorted({k for r in finite for k, v in r.items() if isinstance(v, float)}  # texts are not scores
                        - {"index", "data_source", "ground_truth", "prompt", "seed"})
-    scores = {k: [r.get(k, float("nan")) for r in samples] for k in variables}  # "reward" + the reward extras
-    metrics = validation_metrics([r["data_source"] for r in samples], scores)
+    scores = {k: [r.get(k, float("nan")) for r in finite] for k in variables}  # "reward" + the reward extras
+    metrics = validation_metrics([r["data_source"] for r in finite], scores) if finite else {}
     metrics = {k: v for k, v in metrics.items() if v == v}  # extras absent for a data source give NaN: drop them
+    metrics["val-aux/nonfinite_samples"] = float(len(samples) - len(finite))
     metrics.update(timings)
     images = gather_first_images(result.images, start, args.num_val_images)
     return ValidationOutcome(metrics, samples, images, result.images, start)
@@ -753,4 +877,8 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
             logger.log_image("val/samples", image_grid(outcome.images, captions), step)
         core = {key: v for key, v in outcome.metrics.items() if key.startswith("val-core/")}
         print(f"validation @ step {step}: " + ", ".join(f"{key} {v:.4f}" for key, v in core.items()), flush=True)
+        bad = int(outcome.metrics["val-aux/nonfinite_samples"])
+        if bad:
+            print(f"WARNING: validation @ step {step}: {bad} of {len(outcome.samples)} samples came back non-finite "
+                  f"(NaN/inf latents): not scored, left out of the val-core means", flush=True)
     return outcome.metrics

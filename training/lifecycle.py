@@ -1,0 +1,239 @@
+"""A run's life on a shared machine: one live run per --output_dir (`RunLock`, an advisory `fcntl.flock` on
+<output_dir>/RUN_LOCK holding who holds it), no orphans (`watch_parent`: a trainer rank whose torchrun agent died
+exits, and its rollout workers die with it through their parent-death signal, `rollout._die_with_parent`), and a
+frozen rank named (`start_heartbeats`, `install_collective_explainer`: heartbeat files under
+<output_dir>/.heartbeats)."""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = ["RUN_LOCK", "RunLockError", "RunLock", "pid_alive", "describe_holder", "watch_parent", "silent_ranks",
+           "describe_silent", "start_heartbeats", "install_collective_explainer", "HEARTBEAT_STALE_S"]
+
+RUN_LOCK = "RUN_LOCK"
+
+
+class RunLockError(RuntimeError):
+    """--output_dir is held by a live run; the message names it (host, pids, start) and the fix."""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (a zombie counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    """'host H, pid P (torchrun agent A; ranks ...), started T' for a lock file's content."""
+    ranks = holder.get("ranks") or []
+    extra = [f"torchrun agent {holder['agent_pid']}"] if holder.get("agent_pid") else []
+    others = [f"{r['host']}:{r['pid']}" for r in ranks[1:]]
+    if others:
+        extra.append("other ranks " + ", ".join(others))
+    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
+            + (f" ({'; '.join(extra)})" if extra else "") + f", started {holder.get('started_at', '?')}")
+
+
+@dataclass
+class RunLock:
+    """The advisory lock of one run on `output_dir` (see `acquire`); `release` (or the process's death, which the
+    kernel turns into an unlock) frees it."""
+
+    path: str
+    fd: int
+    message: str  # what acquiring did, for the log ("" on a clean start)
+
+    @classmethod
+    def acquire(cls, output_dir: str, *, ranks: Sequence[dict[str, Any]] = (), command: str | None = None,
+                wait_s: float = 2.0) -> "RunLock":
+        """Take <output_dir>/RUN_LOCK (created if missing) with a non-blocking exclusive `flock` and write this run
+        into it: host, pid, the torchrun agent's pid (the parent, under torchrun), every rank's host and pid
+        (`ranks`), start time and command line. Held by a live run: RunLockError naming it (after up to `wait_s`
+        for a holder that has not written itself in yet). A file left by a run that died without releasing it (the
+        kernel dropped its lock) is taken over, and `message` says so, naming that run and why it is stale."""
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, RUN_LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                if holder or time.monotonic() >= deadline:
+                    os.close(fd)
+                    who = describe_holder(holder) if holder else "a process that has not written itself in yet"
+                    raise RunLockError(
+                        f"--output_dir {output_dir} is in use by a live run ({who}; lock {path}): two runs would "
+                        f"interleave their checkpoints and logs. Stop that run first, or pass another --output_dir")
+                time.sleep(0.1)
+        previous = _read_holder(fd)
+        message = ""
+        if previous:
+            message = f"took over the run lock {path} of a run that ended without releasing it " \
+                      f"({describe_holder(previous)}: {_why_stale(previous)})"
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "agent_pid": os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None,
+                  "ranks": list(ranks) or [{"host": socket.gethostname(), "pid": os.getpid()}],
+                  "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": command if command is not None else " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder, indent=1) + "\n").encode(), 0)
+        os.fsync(fd)
+        return cls(path, fd, message)
+
+    def release(self) -> None:
+        """Empty the lock file (a clean end leaves nothing to take over) and unlock it; idempotent."""
+        if self.fd < 0:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    """The JSON a holder wrote into the lock file ({} when empty or unreadable)."""
+    try:
+        raw = os.pread(fd, 1 << 16, 0)
+        return json.loads(raw) if raw.strip() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _why_stale(holder: dict[str, Any]) -> str:
+    """Why a lock file whose flock was free is stale, in words."""
+    if holder.get("host") != socket.gethostname():
+        return f"its lock was released on host {holder.get('host')}"
+    pid = int(holder.get("pid") or 0)
+    return f"pid {pid} is dead" if not pid_alive(pid) else f"pid {pid} now belongs to another process"
+
+
+def watch_parent(on_orphaned: Callable[[int, int], None], *, interval_s: float = 1.0,
+                 parent: int | None = None) -> threading.Thread:
+    """Start a daemon thread that calls `on_orphaned(old_parent, new_parent)` once this process's parent changes
+    (it died: the process was re-parented to init or a subreaper), checking every `interval_s`. `parent`: the pid
+    to watch (default: the current parent). A parent already gone at the call is reported at the first check."""
+    expected = os.getppid() if parent is None else parent
+
+    def loop() -> None:
+        while True:
+            now = os.getppid()
+            if now != expected:
+                on_orphaned(expected, now)
+                return
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=loop, name="parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+HEARTBEATS = ".heartbeats"
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_STALE_S = 30.0  # a rank silent this long is named (frozen by SIGSTOP, swapped out, hung holding the GIL)
+
+
+def heartbeat_path(output_dir: str, rank: int) -> str:
+    return os.path.join(output_dir, HEARTBEATS, f"rank_{rank:05d}.json")
+
+
+def silent_ranks(output_dir: str, world: int, *, stale_s: float = HEARTBEAT_STALE_S,
+                 now: float | None = None) -> list[tuple[int, float, dict[str, Any]]]:
+    """(rank, seconds since its last heartbeat, its host/pid) of every rank whose heartbeat file under
+    <output_dir>/.heartbeats is older than `stale_s` (or missing), oldest first."""
+    now = time.time() if now is None else now
+    out = []
+    for rank in range(world):
+        path = heartbeat_path(output_dir, rank)
+        try:
+            age = now - os.path.getmtime(path)
+            with open(path, encoding="utf-8") as f:
+                who = json.load(f)
+        except (OSError, ValueError):
+            age, who = float("inf"), {}
+        if age > stale_s:
+            out.append((rank, age, who))
+    return sorted(out, key=lambda item: -item[1])
+
+
+def describe_silent(silent: Sequence[tuple[int, float, dict[str, Any]]]) -> str:
+    """'rank 1 (host h, pid 123): no sign of life for 64 s' for each silent rank, joined by '; '."""
+    return "; ".join(f"rank {rank} (host {who.get('host', '?')}, pid {who.get('pid', '?')}): "
+                     + (f"no sign of life for {age:.0f} s" if age != float("inf") else "no heartbeat at all")
+                     for rank, age, who in silent)
+
+
+def start_heartbeats(output_dir: str, rank: int, world: int, *, interval_s: float = HEARTBEAT_INTERVAL_S,
+                     stale_s: float = HEARTBEAT_STALE_S, say: Callable[[str], None] | None = None) -> None:
+    """Every rank touches <output_dir>/.heartbeats/rank_R.json every `interval_s` from a daemon thread (a rank
+    stopped by SIGSTOP or frozen stops touching it); rank 0 also watches the others and, through `say`, names a
+    rank once it has been silent for `stale_s` (and again when it is back). `install_collective_explainer` uses
+    the same files to name the silent ranks when a collective times out."""
+    os.makedirs(os.path.join(output_dir, HEARTBEATS), exist_ok=True)
+    me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank})
+    path = heartbeat_path(output_dir, rank)
+
+    def beat() -> None:
+        named: set[int] = set()
+        while True:
+            try:
+                with open(path + ".tmp", "w", encoding="utf-8") as f:
+                    f.write(me)
+                os.replace(path + ".tmp", path)
+            except OSError:
+                pass
+            if rank == 0 and say is not None and world > 1:
+                silent = [s for s in silent_ranks(output_dir, world, stale_s=stale_s) if s[0] != 0]
+                for entry in silent:
+                    if entry[0] not in named:
+                        say(f"WARNING: {describe_silent([entry])} (frozen by SIGSTOP, swapped out or hung); the "
+                            f"other ranks wait for it in their collectives")
+                named = {s[0] for s in silent}
+            time.sleep(interval_s)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def install_collective_explainer(output_dir: str, world: int, *, stale_s: float = HEARTBEAT_STALE_S) -> None:
+    """Wrap `sys.excepthook`: an uncaught error that looks like a failed collective (a gloo/NCCL timeout, a peer
+    that closed its connection) is preceded by one line naming the ranks that stopped sending heartbeats, so a
+    frozen rank is named instead of a bare timeout."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        text = f"{kind.__name__}: {value}"
+        if any(key in text for key in ("Timed out", "timed out", "Timeout", "Connection closed", "DistBackendError",
+                                       "Connection reset")):
+            silent = silent_ranks(output_dir, world, stale_s=stale_s)
+            if silent:
+                print(f"a collective failed while these ranks were silent: {describe_silent(silent)} (frozen by "
+                      f"SIGSTOP, swapped out or hung?)", file=sys.stderr, flush=True)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
