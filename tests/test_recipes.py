@@ -25,7 +25,8 @@ RECORDER = textwrap.dedent("""\
     #!{python}
     import json, os, sys
     with open(os.environ["RECORD"], "a") as f:
-        f.write(json.dumps({{"argv": sys.argv[1:], "node_rank": os.environ.get("NODE_RANK")}}) + "\\n")
+        f.write(json.dumps({{"argv": sys.argv[1:], "node_rank": os.environ.get("NODE_RANK"),
+                            "shutdown": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}}) + "\\n")
     """)
 
 
@@ -61,7 +62,8 @@ def two_free_ports() -> int:
 
 def run(script: str, env: dict, *args: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT", "TORCHRUN_ARGS", "GENRM_URLS")}
+                                                              "MASTER_PORT", "TORCHRUN_ARGS", "GENRM_URLS",
+                                                              "SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")}
     return subprocess.run(["bash", os.path.join(REPO, script), *args], env={**base, **env}, cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
@@ -76,6 +78,10 @@ def test_launch_builds_the_torchrun_line_and_passes_torchrun_args(recorder):
                             "4", "--master_addr", "node0", "--master_port", "29555", "--max-restarts", "0",
                             "--shutdown-timeout", "900", "train_dppo.py", "--lr", "1e-4"]
     assert "node 1 of 2, 4 trainer process(es)" in proc.stderr
+    # torchrun's shutdown timeout (its default 30 s kills a rank mid-save): 300 s unless SHUTDOWN_TIMEOUT says
+    assert call["shutdown"] == "300"
+    assert run("scripts/launch.sh", dict(recorder, SHUTDOWN_TIMEOUT="45"), "train_dppo.py").returncode == 0
+    assert calls(recorder)[-1]["shutdown"] == "45"
     bad = run("scripts/launch.sh", dict(recorder, NNODES="2", NODE_RANK="2"), "train_dppo.py")
     assert bad.returncode == 2 and "0 <= NODE_RANK < NNODES" in bad.stderr
 
