@@ -192,7 +192,7 @@ def test_one_live_run_per_folder_and_no_orphans_when_the_agent_is_killed(demo_da
         second = run_trainer("train_dppo.py", base_flags(tiny_models, demo_data, out, total_training_steps=40,
                                                          save_freq=100), nproc=1, expect_ok=False)
         assert second.returncode != 0
-        refusal = [line for line in second.stderr.splitlines() if line.startswith("RunLockError:")]
+        refusal = [line for line in second.stderr.splitlines() if line.startswith("error: RunLockError:")]
         assert len(refusal) == 1, second.stderr[-3000:]
         assert re.search(rf"--output_dir {re.escape(str(out))} is in use by a live run \(host "
                          rf"{re.escape(socket.gethostname())}, pid {rank} \(torchrun agent {first.proc.pid}\), "

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
 from .distributed import RankFailed, get_local_rank, launch_rank
-from .lifecycle import RunLockError
+from .lifecycle import RunLockError, collective_explanation
 from .logs import HelpFormatter, log_only
 from .preflight import PreflightError
 
@@ -85,6 +85,9 @@ def run_cli(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | 
             traceback.print_exception(error, file=sys.stderr)
         if get_local_rank() == 0 or not isinstance(error, RELAYED_ERRORS):
             prefix = "" if rank == 0 else f"[rank {rank}] "
+            explanation = collective_explanation(error)  # a frozen rank named before a bare collective timeout
+            if explanation:
+                sys.stderr.write(f"{prefix}{explanation}\n")
             sys.stderr.write(f"{prefix}error: {one_line_error(error)}{where}\n")
             sys.stderr.flush()
         raise SystemExit(1) from None

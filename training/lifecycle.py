@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 __all__ = ["RUN_LOCK", "RunLockError", "RunLock", "pid_alive", "describe_holder", "watch_parent", "silent_ranks",
-           "describe_silent", "start_heartbeats", "install_collective_explainer", "HEARTBEAT_STALE_S"]
+           "describe_silent", "start_heartbeats", "install_collective_explainer", "collective_explanation",
+           "HEARTBEAT_STALE_S"]
 
 RUN_LOCK = "RUN_LOCK"
 
@@ -220,20 +221,34 @@ def start_heartbeats(output_dir: str, rank: int, world: int, *, interval_s: floa
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
+_COLLECTIVE_KEYS = ("Timed out", "timed out", "Timeout", "Connection closed", "DistBackendError", "Connection reset")
+_EXPLAINER: dict[str, Any] = {}  # set by install_collective_explainer: output_dir, world, stale_s
+
+
+def collective_explanation(error: BaseException) -> str | None:
+    """One line naming the ranks that stopped sending heartbeats, when `error` looks like a failed collective (a
+    gloo/NCCL timeout, a peer that closed its connection) and `install_collective_explainer` ran; else None."""
+    text = f"{type(error).__name__}: {error}"
+    if not _EXPLAINER or not any(key in text for key in _COLLECTIVE_KEYS):
+        return None
+    silent = silent_ranks(_EXPLAINER["output_dir"], _EXPLAINER["world"], stale_s=_EXPLAINER["stale_s"])
+    if not silent:
+        return None
+    return (f"a collective failed while these ranks were silent: {describe_silent(silent)} (frozen by SIGSTOP, "
+            f"swapped out or hung?)")
+
+
 def install_collective_explainer(output_dir: str, world: int, *, stale_s: float = HEARTBEAT_STALE_S) -> None:
-    """Wrap `sys.excepthook`: an uncaught error that looks like a failed collective (a gloo/NCCL timeout, a peer
-    that closed its connection) is preceded by one line naming the ranks that stopped sending heartbeats, so a
+    """Name the silent ranks before a failed collective's error (`collective_explanation`): `training.cli.run_cli`
+    prints the line before its one error line, and `sys.excepthook` is wrapped for errors that escape it, so a
     frozen rank is named instead of a bare timeout."""
+    _EXPLAINER.update(output_dir=output_dir, world=world, stale_s=stale_s)
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:
-        text = f"{kind.__name__}: {value}"
-        if any(key in text for key in ("Timed out", "timed out", "Timeout", "Connection closed", "DistBackendError",
-                                       "Connection reset")):
-            silent = silent_ranks(output_dir, world, stale_s=stale_s)
-            if silent:
-                print(f"a collective failed while these ranks were silent: {describe_silent(silent)} (frozen by "
-                      f"SIGSTOP, swapped out or hung?)", file=sys.stderr, flush=True)
+        line = collective_explanation(value)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         previous(kind, value, tb)
 
     sys.excepthook = hook

@@ -481,8 +481,10 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
         watch_parent(lambda old, new: orphaned[0](old, new))
     # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
     # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
-    # (a refusal is one line on the console, no traceback: training.cli.run_cli; nothing is written into
-    # --output_dir before the run lock is held, so a refused second run leaves the live run's files alone)
+    try:  # first, so that the traceback of any start-up error goes to <output_dir>/train.log (training.cli.run_cli);
+        tee_console(args.output_dir)  # a second run refused by the run lock below leaves its refusal there too
+    except OSError:
+        pass  # an --output_dir that cannot be written: preflight's check_output_dir names it and the fix
     check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
     group_timeout_s = collective_timeout_s(args)  # the main group's and the rollout node subgroups'
     dist_info = init_distributed(resolve_device(args.device), timeout_s=group_timeout_s)

@@ -183,7 +183,8 @@ def add_common_args(parser) -> None:
     g.add_argument("--judge_max_empty_frac", type=float, default=0.9,
                    help="stop the run when more than this fraction of a step's OCR judge replies are empty (a judge "
                         "that reads nothing trains on zeros); the message names <output_dir>/judge_replies.jsonl "
-                        "(1 = never stop)")
+                        "(1 = never stop). Applies to the generative judges (--ocr_backend http / local); rapidocr "
+                        "reading no text in an illegible image is a correct reading")
     g.add_argument("--collective_timeout_s", type=float, default=0.0,
                    help="timeout of the process groups (main and per node); 0 = the longest per-phase timeout "
                         "(--rollout_timeout_s, --rollout_startup_timeout_s, a judge request with its retries) + "
@@ -423,7 +424,9 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
               f"the step's update is skipped like a non-finite loss", flush=True)
     freq = getattr(run.args, "judge_log_freq", 0)
     limit = getattr(run.args, "judge_max_empty_frac", 1.0)
-    too_empty = step is not None and judged > 0 and empty / judged > limit
+    # a generative judge (served or local) that replies with nothing is broken; rapidocr finding no text in an
+    # illegible image has read it correctly (its empty transcription scores 0 and teaches legibility)
+    too_empty = (step is not None and run.args.ocr_backend != "rapidocr" and judged > 0 and empty / judged > limit)
     if step is not None and ((freq and step % freq == 0) or too_empty):
         log_judge_replies(run.args.output_dir, judge_records(rows, run.args.rollout_n, scored, phase="train",
                                                              step=step))
