@@ -6,6 +6,7 @@ frozen rank named (`start_heartbeats`, `install_collective_explainer`: heartbeat
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import fcntl
 import json
@@ -135,6 +136,31 @@ def _why_stale(holder: dict[str, Any]) -> str:
     return f"pid {pid} is dead" if not pid_alive(pid) else f"pid {pid} now belongs to another process"
 
 
+# The helper threads below stop and are joined at exit, before the interpreter finalizes: a daemon thread still
+# running then is ended with pthread_exit, which aborts a process holding C++ frames ("terminate called without an
+# active exception", seen once at the end of a 2-rank run).
+_STOPPING = threading.Event()
+_THREADS: list[threading.Thread] = []
+
+
+def stop_helper_threads(timeout_s: float = 5.0) -> None:
+    """Ask the watchdog and heartbeat threads to stop and join them (registered with atexit)."""
+    _STOPPING.set()
+    for thread in _THREADS:
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+
+atexit.register(stop_helper_threads)
+
+
+def _start(target: Callable[[], None], name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    _THREADS.append(thread)
+    thread.start()
+    return thread
+
+
 def watch_parent(on_orphaned: Callable[[int, int], None], *, interval_s: float = 1.0,
                  parent: int | None = None) -> threading.Thread:
     """Start a daemon thread that calls `on_orphaned(old_parent, new_parent)` once this process's parent changes
@@ -143,16 +169,14 @@ def watch_parent(on_orphaned: Callable[[int, int], None], *, interval_s: float =
     expected = os.getppid() if parent is None else parent
 
     def loop() -> None:
-        while True:
+        while not _STOPPING.is_set():
             now = os.getppid()
             if now != expected:
                 on_orphaned(expected, now)
                 return
-            time.sleep(interval_s)
+            _STOPPING.wait(interval_s)
 
-    thread = threading.Thread(target=loop, name="parent-watchdog", daemon=True)
-    thread.start()
-    return thread
+    return _start(loop, "parent-watchdog")
 
 
 HEARTBEATS = ".heartbeats"
@@ -200,25 +224,28 @@ def start_heartbeats(output_dir: str, rank: int, world: int, *, interval_s: floa
     me = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "rank": rank})
     path = heartbeat_path(output_dir, rank)
 
+    started = time.monotonic()
+
     def beat() -> None:
         named: set[int] = set()
-        while True:
+        while not _STOPPING.is_set():
             try:
                 with open(path + ".tmp", "w", encoding="utf-8") as f:
                     f.write(me)
                 os.replace(path + ".tmp", path)
             except OSError:
                 pass
-            if rank == 0 and say is not None and world > 1:
+            # a rank that has not written its first heartbeat yet is only named once it had stale_s to do so
+            if rank == 0 and say is not None and world > 1 and time.monotonic() - started >= stale_s:
                 silent = [s for s in silent_ranks(output_dir, world, stale_s=stale_s) if s[0] != 0]
                 for entry in silent:
                     if entry[0] not in named:
                         say(f"WARNING: {describe_silent([entry])} (frozen by SIGSTOP, swapped out or hung); the "
                             f"other ranks wait for it in their collectives")
                 named = {s[0] for s in silent}
-            time.sleep(interval_s)
+            _STOPPING.wait(interval_s)
 
-    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+    _start(beat, "heartbeat")
 
 
 _COLLECTIVE_KEYS = ("Timed out", "timed out", "Timeout", "Connection closed", "DistBackendError", "Connection reset")

@@ -3,6 +3,7 @@ checkpoint), so each trainer file holds only its algorithm."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -70,8 +71,19 @@ class StopSignals:
             writer.setblocking(False)
             signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
             self._wakeup = (reader, writer)  # kept alive with the handler
-            threading.Thread(target=self._watch, args=(reader,), name="stop-signal", daemon=True).start()
+            watcher = threading.Thread(target=self._watch, args=(reader,), name="stop-signal", daemon=True)
+            watcher.start()
+            atexit.register(self._close_wakeup, watcher)  # joined before the interpreter finalizes (lifecycle.py)
         return self
+
+    def _close_wakeup(self, watcher: threading.Thread) -> None:
+        """At exit: stop the wake-up socket (its reader then sees EOF and the watcher thread returns), join it."""
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:  # not the main thread
+            pass
+        self._wakeup[1].close()
+        watcher.join(5.0)
 
     def _watch(self, reader: socket.socket) -> None:
         while True:
