@@ -16,7 +16,8 @@
 #                   (its own default: 30 s); the last finished step is written at once on the signal, and this
 #                   leaves the step in progress time to finish and save too      default 300
 # Every node runs the same line with its own NODE_RANK (static rendezvous: node 0 hosts it). The line is printed
-# before it runs.
+# before it runs. scripts/torchrun.py is torchrun with a failed run summed up in one line (TORCHRUN_VERBOSE=1: all of
+# torchrun's own report).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ]; then
@@ -42,9 +43,9 @@ fi
 # torch 2.14's torchrun reads this as the default of its --shutdown-timeout
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}}
 read -r -a extra <<< "${TORCHRUN_ARGS:-}"
-command=("${PYTHON:-python3}" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK"
+command=("${PYTHON:-python3}" scripts/torchrun.py --nnodes "$NNODES" --node_rank "$NODE_RANK"
          --nproc_per_node "$NPROC_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
          ${extra[@]+"${extra[@]}"} "$@")
-shown=$((13 + ${#extra[@]} + 1))  # torchrun and its flags, then the trainer script
+shown=$((12 + ${#extra[@]} + 1))  # torchrun and its flags, then the trainer script
 echo "launch.sh: node $NODE_RANK of $NNODES, $NPROC_PER_NODE trainer process(es): ${command[*]:0:$shown} ..." >&2
 exec "${command[@]}"

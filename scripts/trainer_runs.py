@@ -23,12 +23,12 @@ def free_port() -> int:
 
 def run_trainer(script: str, args: Sequence[str], *, nproc: int = 2, expect_ok: bool = True, timeout_s: float = 900,
                 env: Mapping[str, str] | None = None, log_path: str | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node nproc <REPO>/<script> args` from the repository root (OMP_NUM_THREADS=1 and REPO
+    """`scripts/torchrun.py --nproc_per_node nproc <REPO>/<script> args` (torchrun, one summary line on failure) from the repository root (OMP_NUM_THREADS=1 and REPO
     first on PYTHONPATH unless `env` overrides them). Returns the finished process with its stdout / stderr text; with
     `log_path`, both are also appended to that file. A run that fails (with `expect_ok`) raises AssertionError with
     the output's tail; one that outlives `timeout_s` is killed with its whole process group (torchrun, the trainer
     ranks and their rollout workers) and raises TimeoutError."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+    command = [sys.executable, os.path.join(REPO, "scripts", "torchrun.py"), "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), os.path.join(REPO, script), *map(str, args)]
     inherited = [p for p in [os.environ.get("PYTHONPATH")] if p]  # e.g. packages installed with --target
     run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, *inherited]))
@@ -78,13 +78,14 @@ def images(run_dir: str, tag: str) -> dict[int, bytes]:
     return {e.step: e.encoded_image_string for e in events.Images(tag)}
 
 
-# torchrun's own lines start with a glog-style header ("E1202 15:49:33.143000 ...") or its launcher traceback
-TORCHRUN_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")
+# torchrun's own lines start with a glog-style header ("E1202 15:49:33.143000 ...") or, for a failed run through
+# scripts/torchrun.py, are its one "torchrun: ... failed" line
+TORCHRUN_LINE = re.compile(r"^([IWE]\d{4} \d\d:\d\d:\d\d|torchrun: )")
 
 
 def trainer_lines(proc: subprocess.CompletedProcess) -> list[str]:
     """The trainer's own non-empty console lines of a `run_trainer` result: stdout, then stderr up to torchrun's
-    first line (its ChildFailedError summary of a failed run)."""
+    first line (its failure summary of a failed run)."""
     err = proc.stderr.splitlines()
     first_torchrun = next((i for i, line in enumerate(err) if TORCHRUN_LINE.match(line)), len(err))
     return [line for line in proc.stdout.splitlines() + err[:first_torchrun] if line.strip()]

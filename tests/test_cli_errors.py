@@ -1,6 +1,6 @@
 """Common mistakes through the real trainer CLI under torchrun (2 ranks), counted in lines: a misspelt flag, an
 undividable batch and a bad dataset row each print ONE line of the trainer's own (rank 0 only, naming the fix;
-"did you mean" for the flag), before torchrun's ChildFailedError summary, which is torchrun's and follows it; the
+"did you mean" for the flag), then scripts/torchrun.py's one line naming the rank that failed first; the
 tracebacks of every rank go to <output_dir>/train.log, not to the console. The refused resume is counted the same
 way in tests/test_trainers.py::test_exact_resume_and_config_refusal (it needs a checkpoint that test makes). Unit
 checks of the helpers (training/cli.py) run in the default suite."""
@@ -96,7 +96,9 @@ def test_three_mistakes_under_torchrun_print_one_line_each(flags, tmp_path):
     lines = trainer_lines(proc)
     assert lines == ["train_dppo.py: error: unrecognized arguments: --lerning_rate 1e-4; --lerning_rate: did you "
                      "mean --learning_rate? (see train_dppo.py --help)"], lines
-    assert proc.stderr.splitlines()[0] == lines[0]  # printed first, before torchrun's summary
+    console = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.strip()]
+    assert console == lines + [console[-1]], console  # the whole console: the trainer's line, then torchrun's one
+    assert console[-1].startswith("torchrun: train_dppo.py failed: rank ") and "exit code 2" in console[-1], console
 
     line = error_line(run_trainer("train_dppo.py", cli(**{**flags, "train_batch_size": 3}), expect_ok=False),
                       flags["output_dir"])

@@ -74,7 +74,7 @@ def test_launch_builds_the_torchrun_line_and_passes_torchrun_args(recorder):
     proc = run("scripts/launch.sh", env, "train_dppo.py", "--lr", "1e-4")
     assert proc.returncode == 0, proc.stderr
     (call,) = calls(recorder)
-    assert call["argv"] == ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--nproc_per_node",
+    assert call["argv"] == ["scripts/torchrun.py", "--nnodes", "2", "--node_rank", "1", "--nproc_per_node",
                             "4", "--master_addr", "node0", "--master_port", "29555", "--max-restarts", "0",
                             "--shutdown-timeout", "900", "train_dppo.py", "--lr", "1e-4"]
     assert "node 1 of 2, 4 trainer process(es)" in proc.stderr
