@@ -29,7 +29,7 @@ from .checkpoint import library_versions
 
 __all__ = [
     "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "perf_metrics", "timer",
-    "image_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress", "git_commit",
+    "image_grid", "sample_caption", "rollout_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress", "git_commit",
     "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "log_only", "log_time",
     "run_summary", "LOG_FILE", "HelpFormatter", "PEAK_TFLOPS_ENV", "device_peak_flops", "rollout_device_count",
     "transformer_flops", "phase_perf_metrics"
@@ -265,6 +265,29 @@ def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     return next((m["content"] for m in prompt if m.get("role") == "user"), "")
+
+
+def sample_caption(reward: float, prompt: Any, judge_reply: str | None = None) -> str:
+    """The caption of one sample in a grid: "r=0.731 | judge: 'TEXT' | the prompt" (`image_grid` wraps it at
+    words); a NaN reward (a non-finite sample, never scored) reads "not scored (non-finite)"."""
+    head = "not scored (non-finite)" if reward != reward else f"r={reward:.3f}"
+    judge = f" | judge: {judge_reply!r}" if judge_reply is not None else ""
+    return f"{head}{judge} | {prompt_text(prompt)}"
+
+
+def rollout_grid(images: torch.Tensor, prompts: Sequence[Any], n: int, rewards: torch.Tensor,
+                 judge_replies: Sequence[str | None] | None = None, *, max_images: int = 8):
+    """A grid of this rank's first training samples in whole groups: one row per prompt, its `n` samples side by
+    side with their rewards (what the group advantage compares), max(1, max_images // n) prompts. images: uint8
+    (P*n, 3, H, W) in prompt-major order (sample j of prompt i at i*n + j), prompts: the P prompts, rewards (P*n,)
+    with NaN for a sample that was not scored; judge_replies: the OCR judge's reply per sample (or None)."""
+    if images.shape[0] != len(prompts) * n or rewards.shape[0] != images.shape[0]:
+        raise ValueError(f"{images.shape[0]} images and {rewards.shape[0]} rewards for {len(prompts)} prompts x "
+                         f"n={n}")
+    count = min(len(prompts), max(1, max_images // n)) * n
+    replies = list(judge_replies) if judge_replies is not None else [None] * images.shape[0]
+    captions = [sample_caption(float(rewards[k]), prompts[k // n], replies[k]) for k in range(count)]
+    return image_grid(images[:count], captions, ncols=min(n, 8))
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
