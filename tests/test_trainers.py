@@ -2,6 +2,7 @@
 jpeg_compressibility reward): metrics and validation keys, checkpoints, exact resume, step-1 ratio = 1, the old
 adapter's schedule, fail-closed guidance, and learning beyond a lr = 0 control."""
 
+import io
 import json
 import os
 import subprocess
@@ -9,9 +10,10 @@ import sys
 
 import pytest
 import torch
+from PIL import Image
 
 from data_prep.make_demo_data import make_demo_data
-from trainer_runs import error_line, free_port, run_trainer, scalars, trainer_lines
+from trainer_runs import error_line, free_port, images, run_trainer, scalars, trainer_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # whole trainer runs (minutes each on 2 cores): the slow stage (`python3 -m pytest -m slow`), not the default run
@@ -62,12 +64,16 @@ def test_nft_boogu_t2i_end_to_end_and_checkpoint(demo_data, tiny_models, tmp_pat
         model_path=os.path.join(tiny_models, "boogu_image_base"), train_files=data / "train.parquet",
         val_files=data / "test.parquet", total_training_steps=2, save_freq=2, lr=1e-3,
         old_policy_decay_schedule="linear_to_0_5", old_policy_update_interval=2, output_dir=out,
-        rollout_devices="colocated"))
+        rollout_devices="colocated", rollout_image_freq=2))
     m = scalars(out)
     # a normal run warns about nothing the project could avoid (deprecated collectives, FSDP2's view warning)
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
     # the validation grid shows every rank's samples: 2 prompts, one per rank, so 2 images side by side
     assert val_grid(out).size == (2 * 64, 64 + 4 * 12 + 4)
+    # every 2nd step, rank 0's training samples in whole groups: its one prompt's rollout_n=2 samples in one row
+    grids = images(str(out), "rollout/samples")
+    assert list(grids) == [2]
+    assert Image.open(io.BytesIO(grids[2])).size == (2 * 64, 64 + 4 * 12 + 4)
     for key in ("actor/policy_loss", "actor/positive_loss", "actor/negative_loss", "actor/old_deviate",
                 "actor/reward_prob_mean", "actor/grad_norm", "critic/rewards/mean", "critic/advantages/max",
                 "perf/throughput", "perf/time_per_step", "timing_s/gen", "timing_s/update_actor",

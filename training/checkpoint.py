@@ -109,6 +109,8 @@ RESUME_LOGGED: frozenset[str] = frozenset({
     "max_consecutive_skips", "max_wall_time_s", "stop_save_budget_s", "save_on_exit", "judge_max_empty_frac",
     # validation only (never touches the training batches or the trainer RNG)
     "test_freq", "val_before_train", "num_val_images", "val_max_samples", "val_num_inference_steps", "val_seed",
+    # TensorBoard's training-sample grid (rank 0 only; reads the step's samples, changes nothing)
+    "rollout_image_freq", "num_rollout_images",
     # where and how fast things run (same objective; float rounding and NFT's noise draws per micro-batch may differ)
     "micro_batch_size", "activation_checkpointing", "cfg_batch", "rollout_devices", "rollout_max_batch_size",
     "rollout_timeout_s", "rollout_startup_timeout_s", "collective_timeout_s", "rollout_threads", "judge_log_freq",

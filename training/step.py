@@ -26,8 +26,8 @@ from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, _full, _strip_adapter, adapter
                     adapter_state_dict, base_weight_dtype, load_adapter_state_, save_adapter_dir)
 from .optim import LR_SCHEDULES
 from .checkpoint import MARKER, CheckpointError, find_latest, read_verified_adapter
-from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, reward_metrics, timer,
-                   validation_metrics)
+from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, reward_metrics, rollout_grid,
+                   sample_caption, timer, validation_metrics)
 
 __all__ = [
     "add_common_args", "resolve_device", "guidance_of", "guidance_for", "rollout_request", "score_samples",
@@ -141,6 +141,12 @@ def add_common_args(parser) -> None:
     g.add_argument("--test_freq", type=int, default=0, help="validate every N steps (0 = only at the end)")
     g.add_argument("--val_before_train", action="store_true")
     g.add_argument("--num_val_images", type=int, default=8, help="validation samples shown in the image grid")
+    g.add_argument("--rollout_image_freq", type=int, default=10,
+                   help="every N training steps, rank 0's first --num_rollout_images training samples (whole groups, "
+                        "one prompt per row, with their rewards and judge replies) go to TensorBoard as "
+                        "rollout/samples (0 = never)")
+    g.add_argument("--num_rollout_images", type=int, default=8,
+                   help="training samples in the rollout/samples grid (rounded to whole groups of --rollout_n)")
     g.add_argument("--total_training_steps", type=int, default=300)
     g.add_argument("--save_freq", type=int, default=30, help="checkpoint every N steps (and at the end)")
     g.add_argument("--keep_last", type=int, default=3, help="complete checkpoints to keep")
@@ -440,11 +446,25 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
             f"check the served model and its prompt, then --resume auto")
         run.fail_with_checkpoint(error, phase)
         raise error
+    image_freq = getattr(run.args, "rollout_image_freq", 0)
+    if step is not None and image_freq and step % image_freq == 0 and get_rank() == 0:
+        log_rollout_images(run.logger, result, scored, rows, bad, run.args, step)
     version = result.metadata.get("adapter_version")  # as the workers report it: "v<step>" (sync_rollout_adapter)
     if isinstance(version, str) and version[1:].isdigit():
         stats["rollout/adapter_version"] = float(version[1:])
     timings.update(stats)
     return result, scored
+
+
+def log_rollout_images(logger, result, scored, rows: Sequence[Any], bad: Sequence[int], args, step: int) -> None:
+    """TensorBoard `rollout/samples`: this rank's first --num_rollout_images training samples of `step` in whole
+    groups (`rollout_grid`), each captioned with its reward (NaN, "not scored", for a non-finite sample in `bad`)
+    and the OCR judge's reply when there is one. Not collective (call it on rank 0)."""
+    rewards = scored.rewards.detach().float().cpu().clone()
+    rewards[list(bad)] = float("nan")
+    grid = rollout_grid(result.images, [row.prompt for row in rows], args.rollout_n, rewards,
+                        scored.texts.get("ocr/response"), max_images=args.num_rollout_images)
+    logger.log_image("rollout/samples", grid, step)
 
 
 JUDGE_LOG = "judge_replies.jsonl"
@@ -874,8 +894,7 @@ def validate(model, rollout_client, scorer, dataset, args, step: int, scale: flo
                    for k, s in enumerate(outcome.samples) if "ocr/response" in s]
         append_judge_log(args.output_dir, replies)  # every validated reply, verbatim (the grid shows the first)
         if len(outcome.images):
-            captions = [f"r={s['reward']:.3f}" + (f" | judge: {s['ocr/response']!r}" if "ocr/response" in s
-                                                  else "") + f" | {s['prompt']}"  # image_grid wraps at words
+            captions = [sample_caption(s["reward"], s["prompt"], s.get("ocr/response"))
                         for s in outcome.samples[:len(outcome.images)]]
             logger.log_image("val/samples", image_grid(outcome.images, captions), step)
         core = {key: v for key, v in outcome.metrics.items() if key.startswith("val-core/")}
