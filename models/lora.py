@@ -438,7 +438,7 @@ def bind_adapter(
     source: str = "the adapter",
 ) -> int:
     """Copy LoRA tensors into `transformer`'s adapter `adapter_name`, however they arrived (a PEFT directory read by
-    `read_adapter`, or tensors handed over by the trainer: `rollout.py`'s tensor sync).
+    `read_adapter`, or tensors handed over by the trainer: the rollout tensor sync, `engines/native.py`).
 
     config: the PEFT adapter_config dict; modules: {trainer module path: {"A": (r, in), "B": (out, r)}}. If the
     adapter does not exist yet it is injected from `config` (rank, alpha, target_modules translated to trainer names;

@@ -12,6 +12,7 @@ import torch
 
 import losses
 import rollout
+from engines import protocol, sampler, worker
 from models import load_model
 from models.base import PromptEmbeds
 from rollout import RolloutError, RolloutGroup, RolloutRequest, RolloutResult
@@ -75,13 +76,13 @@ def test_row_seed_follows_the_spec_formula():
 
 def test_sde_window_starts():
     gens = [torch.Generator().manual_seed(s) for s in range(200)]
-    assert rollout.sde_window_starts(10, None, None, gens[:3]) == [0, 0, 0]
-    starts = rollout.sde_window_starts(10, 2, (0, 5), gens)
+    assert sampler.sde_window_starts(10, None, None, gens[:3]) == [0, 0, 0]
+    starts = sampler.sde_window_starts(10, 2, (0, 5), gens)
     assert set(starts) == {0, 1, 2, 3}  # start ~ UniformInt{lo, ..., hi - w}
-    again = rollout.sde_window_starts(10, 2, (0, 5), [torch.Generator().manual_seed(s) for s in range(200)])
+    again = sampler.sde_window_starts(10, 2, (0, 5), [torch.Generator().manual_seed(s) for s in range(200)])
     assert again == starts
     with pytest.raises(ValueError, match="does not fit"):
-        rollout.sde_window_starts(4, 3, (0, 5), gens[:1])
+        sampler.sde_window_starts(4, 3, (0, 5), gens[:1])
 
 
 def test_request_rejects_unknown_keys_and_bad_values():
@@ -102,14 +103,14 @@ def test_message_framing_round_trip():
 
     buffer = io.BytesIO()
     message = {"op": "x", "t": torch.arange(5.0), "nested": [1, "a"]}
-    rollout._send(buffer, message)
-    rollout._send(buffer, {"op": "y"})
+    protocol._send(buffer, message)
+    protocol._send(buffer, {"op": "y"})
     buffer.seek(0)
-    first = rollout._recv(buffer)
+    first = protocol._recv(buffer)
     assert torch.equal(first["t"], message["t"]) and first["nested"] == [1, "a"]
-    assert rollout._recv(buffer) == {"op": "y"}
+    assert protocol._recv(buffer) == {"op": "y"}
     with pytest.raises(EOFError):
-        rollout._recv(buffer)
+        protocol._recv(buffer)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ def _raw_frame(message) -> bytes:
     buffer = io.BytesIO()
     torch.save(message, buffer)
     payload = buffer.getvalue()
-    return rollout._HEADER.pack(rollout._MAGIC, len(payload)) + payload
+    return protocol._HEADER.pack(protocol._MAGIC, len(payload)) + payload
 
 
 def _not_plain_values():
@@ -324,12 +325,12 @@ def test_a_message_that_is_not_plain_data_is_refused_on_receive_and_on_send(name
     value = _not_plain_values()[name]
     stream = io.BytesIO(_raw_frame({"op": "generate", "request": {"seeds": [1], "bad": value}})
                         + _raw_frame({"op": "next"}))
-    with pytest.raises(rollout.ProtocolError, match="refused a message|cannot cross|keys must be str"):
-        rollout._recv(stream)
-    assert rollout._recv(stream) == {"op": "next"}  # the refused frame was consumed whole: still in step
+    with pytest.raises(protocol.ProtocolError, match="refused a message|cannot cross|keys must be str"):
+        protocol._recv(stream)
+    assert protocol._recv(stream) == {"op": "next"}  # the refused frame was consumed whole: still in step
     out = io.BytesIO()
-    with pytest.raises(rollout.ProtocolError):
-        rollout._send(out, {"op": "x", "payload": [value]})
+    with pytest.raises(protocol.ProtocolError):
+        protocol._send(out, {"op": "x", "payload": [value]})
     assert out.getvalue() == b""  # refused before a byte was written
 
 
@@ -339,12 +340,12 @@ def test_plain_message_kinds_round_trip_and_bad_frames_break_the_channel():
     message = {"none": None, "flag": True, "n": 3, "x": 0.5, "s": "é", "pair": (1, 2), "rows": [[1], []],
                "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "u8": torch.zeros(3, 2, 2, dtype=torch.uint8)}
     buffer = io.BytesIO()
-    rollout._send(buffer, message)
-    got = rollout._recv(io.BytesIO(buffer.getvalue()))
+    protocol._send(buffer, message)
+    got = protocol._recv(io.BytesIO(buffer.getvalue()))
     assert got.keys() == message.keys() and got["pair"] == (1, 2) and got["t"].dtype == torch.bfloat16
     assert torch.equal(got["t"], message["t"]) and type(got["n"]) is int and type(got["flag"]) is bool
-    with pytest.raises(rollout.ChannelBroken, match="not a rollout-channel frame"):
-        rollout._recv(io.BytesIO(b"INFO vllm says hello\n" + buffer.getvalue()))
+    with pytest.raises(protocol.ChannelBroken, match="not a rollout-channel frame"):
+        protocol._recv(io.BytesIO(b"INFO vllm says hello\n" + buffer.getvalue()))
 
 
 def test_request_and_result_dicts_are_plain():
@@ -355,28 +356,28 @@ def test_request_and_result_dicts_are_plain():
     pil = Image.fromarray(array.numpy())
     request = edit_request(images=[pil, pil.convert("RGBA"), None, array.permute(2, 0, 1)])
     data = request.to_dict()
-    rollout.check_plain(data)
+    protocol.check_plain(data)
     assert all(torch.equal(im, array.permute(2, 0, 1)) for im in data["images"][:2] + data["images"][3:])
     assert data["images"][2] is None and request.images[0] is pil  # the request itself is unchanged
     assert RolloutRequest.from_dict(data).prompts == request.prompts
     result = RolloutResult(images=torch.zeros(1, 3, 2, 2, dtype=torch.uint8), latents_clean=torch.zeros(1, 4),
                            prompt_embeds=torch.zeros(1, 2, 3), prompt_mask=torch.ones(1, 2, dtype=torch.long),
                            seeds=[5], metadata={"sigmas": torch.ones(3), "family": "qwen_image"})
-    rollout.check_plain(result.to_dict())
+    protocol.check_plain(result.to_dict())
     assert RolloutResult.from_dict(result.to_dict()).seeds == [5]
     with pytest.raises(ValueError, match="unknown rollout result keys"):
         RolloutResult.from_dict(dict(result.to_dict(), extra=1))
 
 
 def test_handshake_error_names_both_sides():
-    ours = rollout.peer_info()
-    assert ours["protocol"] == rollout.PROTOCOL_VERSION and type(ours["torch"]) is str
-    assert rollout.handshake_error(ours, dict(ours, op="hello"), peer="the worker") is None
+    ours = protocol.peer_info()
+    assert ours["protocol"] == protocol.PROTOCOL_VERSION and type(ours["torch"]) is str
+    assert protocol.handshake_error(ours, dict(ours, op="hello"), peer="the worker") is None
     theirs = dict(ours, op="hello", protocol=ours["protocol"] + 1, torch="2.13.0", executable="/envs/omni/bin/python")
-    problem = rollout.handshake_error(ours, theirs, peer="the worker")
+    problem = protocol.handshake_error(ours, theirs, peer="the worker")
     assert f"rollout protocol {ours['protocol'] + 1} (python {ours['python']}, torch 2.13.0, /envs/omni/bin/python)" \
         in problem and f"rollout protocol {ours['protocol']} (python {ours['python']}, torch {ours['torch']}" in problem
-    assert "older or foreign" in rollout.handshake_error(ours, {"ok": True, "ready": True}, peer="the worker")
+    assert "older or foreign" in protocol.handshake_error(ours, {"ok": True, "ready": True}, peer="the worker")
 
 
 def _python_wrapper(tmp_path, body: str) -> str:
@@ -392,11 +393,11 @@ def _python_wrapper(tmp_path, body: str) -> str:
 
 
 def test_trainer_refuses_a_worker_that_speaks_another_protocol(tmp_path):
-    python = _python_wrapper(tmp_path, "import sys, rollout\nrollout.PROTOCOL_VERSION = 99\n"
-                                       "rollout.worker_main(sys.argv[2:])\n")
+    python = _python_wrapper(tmp_path, "import sys\nfrom engines import protocol, worker\n"
+                                       "protocol.PROTOCOL_VERSION = 99\nworker.worker_main(sys.argv[2:])\n")
     start = time.monotonic()
     with pytest.raises(RolloutError, match=rf"speaks rollout protocol 99 .*this side speaks rollout protocol "
-                                           rf"{rollout.PROTOCOL_VERSION} .*--rollout_python {re.escape(python)}"):
+                                           rf"{protocol.PROTOCOL_VERSION} .*--rollout_python {re.escape(python)}"):
         RolloutGroup(str(tmp_path / "never-loaded"), ["cpu"], threads_per_worker=1, startup_timeout_s=120,
                      python=python)
     assert time.monotonic() - start < 60  # refused at the handshake, before any model load
@@ -408,12 +409,12 @@ def test_worker_refuses_a_trainer_that_speaks_another_protocol(tmp_path):
 
     process = subprocess.Popen([sys.executable, rollout.__file__, "--worker", "--model-path", str(tmp_path)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               env=rollout._worker_env())
+                               env=worker._worker_env())
     try:
-        hello = rollout._recv(process.stdout)
-        assert hello["op"] == "hello" and hello["protocol"] == rollout.PROTOCOL_VERSION
-        rollout._send(process.stdin, dict(rollout.peer_info(), op="hello", protocol=0, torch="1.0"))
-        reply = rollout._recv(process.stdout)
+        hello = protocol._recv(process.stdout)
+        assert hello["op"] == "hello" and hello["protocol"] == protocol.PROTOCOL_VERSION
+        protocol._send(process.stdin, dict(protocol.peer_info(), op="hello", protocol=0, torch="1.0"))
+        reply = protocol._recv(process.stdout)
         assert reply["ok"] is False
         assert "the trainer speaks rollout protocol 0 (python" in reply["error"] and "torch 1.0" in reply["error"]
         assert process.wait(timeout=60) == 0  # exits without loading the model
@@ -422,12 +423,13 @@ def test_worker_refuses_a_trainer_that_speaks_another_protocol(tmp_path):
 
 
 def test_a_worker_reply_that_is_not_plain_is_refused(tmp_path):
-    body = ("import io, sys, numpy, torch, rollout\n"
-            "out = rollout._private_stdout()\n"
-            "rollout._send(out, dict(rollout.peer_info(), op='hello'))\n"
-            "rollout._recv(sys.stdin.buffer)\n"
+    body = ("import io, sys, numpy, torch\nfrom engines import protocol, worker\n"
+            "out = worker._private_stdout()\n"
+            "protocol._send(out, dict(protocol.peer_info(), op='hello'))\n"
+            "protocol._recv(sys.stdin.buffer)\n"
             "buffer = io.BytesIO(); torch.save({'ok': True, 'ready': numpy.ones(2)}, buffer)\n"
-            "out.write(rollout._HEADER.pack(rollout._MAGIC, len(buffer.getvalue())) + buffer.getvalue()); out.flush()\n"
+            "out.write(protocol._HEADER.pack(protocol._MAGIC, len(buffer.getvalue())) + buffer.getvalue())\n"
+            "out.flush()\n"
             "sys.stdin.buffer.read()\n")
     with pytest.raises(RolloutError, match="refused during start-up: refused a message .*numpy"):
         RolloutGroup(str(tmp_path), ["cpu"], startup_timeout_s=120, python=_python_wrapper(tmp_path, body))
@@ -462,7 +464,7 @@ def test_check_rollout_python_reports_the_interpreter_and_its_versions(tmp_path)
     probed = rollout.check_rollout_python(python, "native")  # through the subprocess probe
     in_process = rollout.check_rollout_python(None, "native")
     for info in (probed, in_process):
-        assert info == dict(rollout.peer_info(), engine="native")
+        assert info == dict(protocol.peer_info(), engine="native")
         assert info["torch"] == torch.__version__ and info["diffusers"] != "not installed"
 
 

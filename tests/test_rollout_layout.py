@@ -13,6 +13,7 @@ import torch
 import rewards
 import rollout
 import training as T
+from engines import layout
 from models import load_model, lora
 from rollout import RolloutError, RolloutRequest, RolloutResult
 
@@ -73,31 +74,31 @@ def assert_same_rewards(a: rewards.RewardResult, b: rewards.RewardResult) -> Non
 
 
 def test_colocated_and_reserved_device_mapping():
-    assert rollout.node_worker_devices(["colocated"], local_world_size=4, trainer_device="cuda") == [
+    assert layout.node_worker_devices(["colocated"], local_world_size=4, trainer_device="cuda") == [
         "cuda:0", "cuda:1", "cuda:2", "cuda:3"]
-    assert rollout.node_worker_devices(["colocated"], local_world_size=2, trainer_device="cpu") == ["cpu", "cpu"]
-    assert rollout.node_worker_devices(["cuda:3"], local_world_size=3, trainer_device="cuda") == ["cuda:3"]
+    assert layout.node_worker_devices(["colocated"], local_world_size=2, trainer_device="cpu") == ["cpu", "cpu"]
+    assert layout.node_worker_devices(["cuda:3"], local_world_size=3, trainer_device="cuda") == ["cuda:3"]
     with pytest.raises(ValueError, match="stands alone"):
-        rollout.node_worker_devices(["colocated", "cuda:3"], local_world_size=3, trainer_device="cuda")
+        layout.node_worker_devices(["colocated", "cuda:3"], local_world_size=3, trainer_device="cuda")
     # cuda:k is the trainer's cuda:k: the k-th entry of its CUDA_VISIBLE_DEVICES (numbers, UUIDs, MIG ids)
-    assert rollout.visible_gpu(1, "4,5,6,7") == "5" and rollout.visible_gpu(0, "GPU-ab12,GPU-cd34") == "GPU-ab12"
+    assert layout.visible_gpu(1, "4,5,6,7") == "5" and layout.visible_gpu(0, "GPU-ab12,GPU-cd34") == "GPU-ab12"
     with pytest.raises(ValueError, match="not visible"):
-        rollout.visible_gpu(4, "4,5,6,7")
+        layout.visible_gpu(4, "4,5,6,7")
     # colocated worker r gets rank r's GPU only (tensors from rank r, the same GPU: cuda index 0)
-    assert rollout.worker_cuda_devices("cuda:1", 1, "4,5,6,7") == ("5", 0)
+    assert layout.worker_cuda_devices("cuda:1", 1, "4,5,6,7") == ("5", 0)
     # a reserved rollout GPU also sees local rank 0's GPU (its tensor source) as its cuda:1
-    assert rollout.worker_cuda_devices("cuda:3", 0, "4,5,6,7") == ("7,4", 1)
-    assert rollout.worker_cuda_devices("cuda:3", None, "4,5,6,7") == ("7", None)
-    assert rollout.adapter_sources(["cuda:0", "cuda:1", "cuda:2"], local_world_size=3, trainer_device="cuda") == [
+    assert layout.worker_cuda_devices("cuda:3", 0, "4,5,6,7") == ("7,4", 1)
+    assert layout.worker_cuda_devices("cuda:3", None, "4,5,6,7") == ("7", None)
+    assert layout.adapter_sources(["cuda:0", "cuda:1", "cuda:2"], local_world_size=3, trainer_device="cuda") == [
         0, 1, 2]
-    assert rollout.adapter_sources(["cuda:3"], local_world_size=3, trainer_device="cuda") == [0]
-    assert rollout.adapter_sources(["cpu", "cpu"], local_world_size=2, trainer_device="cpu") == [0, 0]
+    assert layout.adapter_sources(["cuda:3"], local_world_size=3, trainer_device="cuda") == [0]
+    assert layout.adapter_sources(["cpu", "cpu"], local_world_size=2, trainer_device="cpu") == [0, 0]
     with pytest.raises(ValueError, match="for the native engine"):  # refused before any worker starts
         rollout.DistributedRollout("unused", ["colocated"], trainer_device="cuda", engine="vllm_omni")
 
 
 def test_sync_mode_resolution():
-    resolve = rollout.resolve_sync
+    resolve = layout.resolve_sync
     assert resolve("auto", engine="native", trainer_device="cuda", devices=["cuda:0", "cuda:1"]) == "tensors"
     assert resolve("auto", engine="native", trainer_device="cpu", devices=["cpu"]) == "tensors"
     assert resolve("auto", engine="vllm_omni", trainer_device="cuda", devices=["cuda:3"]) == "disk"
@@ -136,17 +137,17 @@ def test_peek_batch_leaves_the_sampler_where_it_was():
 
 def test_adapter_layout_unpack_refuses_malformed_layouts():
     flat = torch.arange(10.0)
-    modules = rollout.unpack_adapter(flat, rollout.adapter_layout([("a.lora_A.weight", (2, 3)),
+    modules = layout.unpack_adapter(flat, layout.adapter_layout([("a.lora_A.weight", (2, 3)),
                                                                     ("a.lora_B.weight", (4, 1))]))
     assert torch.equal(modules["a"]["A"], flat[:6].view(2, 3)) and torch.equal(modules["a"]["B"], flat[6:].view(4, 1))
     with pytest.raises(ValueError, match="covers 6 of the buffer's 10"):
-        rollout.unpack_adapter(flat, [["a.lora_A.weight", [2, 3]]])
+        layout.unpack_adapter(flat, [["a.lora_A.weight", [2, 3]]])
     with pytest.raises(ValueError, match="needs more than"):
-        rollout.unpack_adapter(flat, [["a.lora_A.weight", [4, 3]]])
+        layout.unpack_adapter(flat, [["a.lora_A.weight", [4, 3]]])
     with pytest.raises(ValueError, match="is not '<module>.lora_A.weight'"):
-        rollout.unpack_adapter(flat, [["a.weight", [10]]])
+        layout.unpack_adapter(flat, [["a.weight", [10]]])
     with pytest.raises(ValueError, match="appears twice"):
-        rollout.unpack_adapter(flat, [["a.lora_A.weight", [5]], ["a.lora_A.weight", [5]]])
+        layout.unpack_adapter(flat, [["a.lora_A.weight", [5]], ["a.lora_A.weight", [5]]])
 
 
 def test_reward_result_cat_fills_what_a_slice_did_not_score():

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import rollout  # noqa: E402
+from engines import protocol  # noqa: E402
 from rollout import RolloutError, RolloutGroup, RolloutRequest  # noqa: E402
 
 torch.set_num_threads(1)
@@ -101,8 +102,8 @@ def runs(tiny_models, rollout_python):
 
 
 def test_the_other_environment_passes_the_start_up_check_with_its_own_versions(runs, rollout_python):
-    here, there = rollout.peer_info(), runs["check_vllm_omni"]
-    assert there["engine"] == "vllm_omni" and there["protocol"] == rollout.PROTOCOL_VERSION
+    here, there = protocol.peer_info(), runs["check_vllm_omni"]
+    assert there["engine"] == "vllm_omni" and there["protocol"] == protocol.PROTOCOL_VERSION
     assert there["executable"] != sys.executable and there["diffusers"] != "not installed"
     # the point of this file: a different torch (and transformers) on the worker side
     assert there["torch"] != here["torch"], f"{rollout_python} has this environment's torch {here['torch']}"

@@ -1,5 +1,6 @@
-"""The vllm-omni rollout engine (rollout.VllmOmniEngine) and its custom RL pipelines (vllm_omni_pipelines.py),
-against the REAL vllm-omni 0.30 / vLLM 0.30 classes on CPU. Run with the separate environment's python:
+"""The vllm-omni rollout engine (engines.vllm_omni.VllmOmniEngine) and its custom RL pipelines
+(engines/vllm_omni_pipelines.py), against the REAL vllm-omni 0.30 / vLLM 0.30 classes on CPU. Run with the
+separate environment's python:
 
     bash scripts/make_vllm_omni_test_env.sh
     .venv-vllm-omni/bin/python -m pytest tests_vllm_omni -q
@@ -37,12 +38,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import rollout  # noqa: E402
-import vllm_omni_pipelines as vp  # noqa: E402
+import engines.vllm_omni_pipelines as vp  # noqa: E402
+from engines import sampler  # noqa: E402
+from engines.vllm_omni import VllmOmniEngine, assemble_vllm_omni_result, parse_vllm_omni_output  # noqa: E402
 from models import load_model, lora  # noqa: E402
 from models.base import per_row_noise  # noqa: E402
 from models.qwen_image import pack_latents  # noqa: E402
-from rollout import NativeEngine, RolloutRequest, VllmOmniEngine  # noqa: E402
+from rollout import NativeEngine, RolloutRequest  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm_omni.diffusion.data import DiffusionOutput  # noqa: E402
 from vllm_omni.diffusion.models.boogu_image.pipeline_boogu_image import get_boogu_image_post_process_func  # noqa: E402
@@ -138,7 +140,7 @@ def test_rl_settings_must_agree_across_a_batch():
     a = OmniDiffusionSamplingParams(extra_args={"rl_noise_level": 0.7})
     b = OmniDiffusionSamplingParams(extra_args={"rl_noise_level": 0.0})
     assert vp.rl_settings([a, a])["rl_noise_level"] == 0.7
-    assert vp.rl_settings([OmniDiffusionSamplingParams()]) == rollout.VLLM_OMNI_RL_KEYS
+    assert vp.rl_settings([OmniDiffusionSamplingParams()]) == sampler.VLLM_OMNI_RL_KEYS
     with pytest.raises(ValueError, match="disagree on RL extra_args"):
         vp.rl_settings([a, b])
     with pytest.raises(ValueError, match="unknown RL extra_args"):
@@ -179,7 +181,7 @@ def test_rl_denoise_reproduces_native_engine(tiny_models, name):
     else:
         latents = per_row_noise((16, h, w), gens, "cpu")
         sigmas = vp.boogu_sigmas(vp.read_scheduler_config(path), 4, 32, 32)
-    starts = rollout.sde_window_starts(4, 2, (0, 3), gens)
+    starts = sampler.sde_window_starts(4, 2, (0, 3), gens)
     prompt = model.encode_prompt(request.prompts)
     negative = model.encode_prompt(request.negative_prompts)
     fn = lambda x, s: model.guided_velocity(x, s, prompt, negative, 3.0, height=32, width=32)  # noqa: E731
@@ -287,9 +289,9 @@ def test_qwen_rl_pipeline_forward_matches_native_engine(tiny_models):
     od_config = SimpleNamespace(model=path, model_class_name="QwenImagePipeline")
     formatted = _format(outputs, batch, od_config, get_qwen_image_post_process_func(od_config))
     assert all(isinstance(r, OmniRequestOutput) for r in formatted)
-    parts = [rollout.parse_vllm_omni_output(r) for r in formatted]
-    result = rollout.assemble_vllm_omni_result(parts, request, family="qwen_image", adapter_version="v1",
-                                               bound_modules=7)
+    parts = [parse_vllm_omni_output(r) for r in formatted]
+    result = assemble_vllm_omni_result(parts, request, family="qwen_image", adapter_version="v1",
+                                       bound_modules=7)
 
     assert result.images.dtype == torch.uint8 and result.images.shape == (3, 3, 32, 32)
     assert result.window_starts == native.window_starts
@@ -337,7 +339,7 @@ def test_boogu_outputs_survive_stock_post_process_and_formatter(tiny_models):
                                request_id="r0")
     batch = DiffusionRequestBatch(requests=[req])
     (res,) = _format(outs, batch, od_config, get_boogu_image_post_process_func(od_config))
-    part = rollout.parse_vllm_omni_output(res)
+    part = parse_vllm_omni_output(res)
     assert part["image"].shape == (3, 32, 32) and part["image"].dtype == torch.uint8
     torch.testing.assert_close(part["all_latents"], torch.stack(traj[0][0]))
     torch.testing.assert_close(part["all_log_probs"], torch.tensor([-1.5]))
@@ -350,11 +352,11 @@ def test_boogu_outputs_survive_stock_post_process_and_formatter(tiny_models):
 
 def test_parse_rejects_stock_and_error_outputs():
     with pytest.raises(RuntimeError, match="failed: boom"):
-        rollout.parse_vllm_omni_output(SimpleNamespace(error="boom", request_id="r"))
+        parse_vllm_omni_output(SimpleNamespace(error="boom", request_id="r"))
     stock = SimpleNamespace(error=None, images=[torch.rand(3, 8, 8)], trajectory_latents=None,
                             trajectory_log_probs=None, trajectory_timesteps=None, request_id="r")
     with pytest.raises(RuntimeError, match="lacks the RL fields"):
-        rollout.parse_vllm_omni_output(stock)
+        parse_vllm_omni_output(stock)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -581,9 +583,9 @@ def test_boogu_rl_pipeline_forward_matches_native_engine(tiny_models, monkeypatc
     outputs = pipe.forward(batch)
     od_config = SimpleNamespace(model=path, model_class_name="BooguImagePipeline")
     formatted = _format(outputs, batch, od_config, get_boogu_image_post_process_func(od_config))
-    parts = [rollout.parse_vllm_omni_output(r) for r in formatted]
-    result = rollout.assemble_vllm_omni_result(parts, request, family="boogu_image", adapter_version=None,
-                                               bound_modules=0)
+    parts = [parse_vllm_omni_output(r) for r in formatted]
+    result = assemble_vllm_omni_result(parts, request, family="boogu_image", adapter_version=None,
+                                       bound_modules=0)
     assert result.window_starts == native.window_starts
     for name in ("prompt_mask", "negative_mask", "prompt_embeds", "negative_embeds", "latents_clean", "all_latents",
                  "all_timesteps", "all_log_probs"):
@@ -617,8 +619,8 @@ def test_boogu_edit_rl_pipeline_forward_matches_native_engine(tiny_models, monke
     batch = DiffusionRequestBatch(requests=[req])
     outputs = pipe.forward(batch)
     formatted = _format(outputs, batch, od_config, get_boogu_image_post_process_func(od_config))
-    result = rollout.assemble_vllm_omni_result([rollout.parse_vllm_omni_output(r) for r in formatted], request,
-                                               family="boogu_image", adapter_version=None, bound_modules=0)
+    result = assemble_vllm_omni_result([parse_vllm_omni_output(r) for r in formatted], request,
+                                       family="boogu_image", adapter_version=None, bound_modules=0)
     for name in ("prompt_mask", "prompt_embeds", "negative_embeds", "ref_latents", "latents_clean", "all_latents",
                  "all_log_probs"):
         torch.testing.assert_close(getattr(result, name), getattr(native, name), msg=name)

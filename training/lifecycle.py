@@ -1,6 +1,6 @@
 """A run's life on a shared machine: one live run per --output_dir (`RunLock`, an advisory `fcntl.flock` on
 <output_dir>/RUN_LOCK holding who holds it), no orphans (`watch_parent`: a trainer rank whose torchrun agent died
-exits, and its rollout workers die with it through their parent-death signal, `rollout._die_with_parent`), and a
+exits, and its rollout workers die with it through their parent-death signal, `engines.worker._die_with_parent`), and a
 frozen rank named (`start_heartbeats`, `install_collective_explainer`: heartbeat files under
 <output_dir>/.heartbeats)."""
 

@@ -1,15 +1,17 @@
 """Custom vllm-omni 0.30 RL pipelines: the stock `QwenImagePipeline` / `BooguImagePipeline` generating exactly as
-`rollout.NativeEngine` does, and returning what RL needs.
+`engines.native.NativeEngine` does, and returning what RL needs.
 
 Loaded INSIDE vllm-omni's worker processes by dotted path (`custom_pipeline_args={"pipeline_class":
-"vllm_omni_pipelines.RLQwenImagePipeline"}`); the repo root must be on their PYTHONPATH. Only `rollout.
-VllmOmniEngine` refers to this module; nothing else in the project imports vllm_omni.
+"engines.vllm_omni_pipelines.RLQwenImagePipeline"}`); the repo root must be on their PYTHONPATH. Only
+`engines.vllm_omni.VllmOmniEngine` refers to this module (by name; the worker's probe imports it); nothing else in
+the project imports vllm_omni. Layer 4 of the rollout code (`engines/__init__.py`): of the rollout code it imports
+only `engines.sampler` (besides `losses`, `models/` and vllm-omni), so no import cycle runs through it.
 
 Per request (one sample per request; the engine sends one request per sample so each has its own seed):
   1. the worker's generator g (`torch.Generator(generator_device).manual_seed(seed)`) draws the initial noise
      exactly like the native engine (`models.base.per_row_noise`; Qwen draws (1, 16, h, w) then packs), then, for
      Boogu edit, the reference latent sample (the stock `_build_ref_latents` with g), then the SDE window start
-     (`rollout.sde_window_starts`);
+     (`engines.sampler.sde_window_starts`);
   2. sigmas from `losses.flow_sigmas` with the model's mu (Qwen: token-count shift + terminal stretch from the raw
      scheduler JSON; Boogu: `models.boogu_image.boogu_schedule_mu`, released static v1);
   3. every step: the stock transformer call (Qwen timestep = sigma; Boogu t = 1 - sigma and the output NEGATED),
@@ -27,7 +29,7 @@ in the dict-valued `trajectory_*` fields, which the output formatter passes thro
   trajectory_timesteps = (W,) fp32 scheduler timesteps 1000·sigma (only with a trajectory)
   trajectory_log_probs = {["all_log_probs": (W,)], "prompt_embeds", "prompt_mask", ["negative_embeds",
                           "negative_mask"], "sigmas": (N+1,), "window_start": int64 scalar, "guidance": fp32}
-`rollout.parse_vllm_omni_output` reads exactly these keys.
+`engines.vllm_omni.parse_vllm_omni_output` reads exactly these keys.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ from typing import Any, Sequence
 import torch
 
 import losses
+from engines.sampler import VLLM_OMNI_RL_KEYS, rl_denoise, sde_window_starts, window_length
 from models.base import per_row_noise
 from models.boogu_image import boogu_schedule_mu
 from models.qwen_image import LATENT_CHANNELS, pack_latents, qwen_image_sigmas
-from rollout import VLLM_OMNI_RL_KEYS, rl_denoise, sde_window_starts, window_length
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.boogu_image.pipeline_boogu_image import BooguImagePipeline
@@ -114,7 +116,8 @@ def request_outputs(
     window_starts: Sequence[int],
     guidance: float,
 ) -> list[DiffusionOutput]:
-    """One `DiffusionOutput` per row in the layout `rollout.parse_vllm_omni_output` reads (module docstring)."""
+    """One `DiffusionOutput` per row in the layout `engines.vllm_omni.parse_vllm_omni_output` reads (module
+    docstring)."""
     all_latents, all_timesteps, all_log_probs, all_means = traj
     outs = []
     for b in range(images.shape[0]):

@@ -1,0 +1,153 @@
+"""The import graph of the product code has no cycle.
+
+Every product module (the top-level *.py files and the packages `engines/`, `models/`, `training/`, `data_prep/`) is
+parsed with `ast`, never imported, and every import in it counts: module level, inside functions, under
+`TYPE_CHECKING`, relative (`from . import x`, `from .step import y`). An edge A -> B means module A imports project
+module B (`from pkg import name` points at `pkg.name` when that is a module, else at `pkg`). The rollout code is
+layered (`engines/__init__.py`); a cycle anywhere is reported as its path, e.g. `a -> b -> a`.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRODUCT_PACKAGES = ("engines", "models", "training", "data_prep")
+
+
+def product_modules(root: Path, packages: tuple[str, ...] = PRODUCT_PACKAGES) -> dict[str, Path]:
+    """{dotted module name: file} of the top-level *.py files of `root` and every *.py file under `packages`
+    (a package's `__init__.py` is the package's own name)."""
+    modules = {path.stem: path for path in sorted(root.glob("*.py"))}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _imported_names(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules that module `name` (file `path`) imports, anywhere in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        # `import a.b.c` / `from a.b.c import x`: the deepest prefix that is a project module
+        parts = target.split(".")
+        for end in range(len(parts), 0, -1):
+            candidate = ".".join(parts[:end])
+            if candidate in modules:
+                found.add(candidate)
+                return
+
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                if node.level > 1:
+                    base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}" if source else alias.name
+                if submodule in modules:  # `from pkg import submodule`
+                    found.add(submodule)
+                elif source:
+                    add(source)
+    found.discard(name)
+    return found
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PRODUCT_PACKAGES) -> dict[str, set[str]]:
+    """{module: the project modules it imports} over `product_modules(root, packages)`."""
+    modules = product_modules(root, packages)
+    return {name: _imported_names(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path [a, b, ..., a], or None (depth-first search, modules in sorted order)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done (no cycle through it)
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_product_code_has_no_import_cycle():
+    graph = import_graph(REPO)
+    # the graph covers what it must: the trainers' module, the layers, and imports inside functions
+    assert {"rollout", "train_nft", "train_dppo", "losses", "rewards", "engines.sampler", "engines.worker",
+            "engines.vllm_omni_pipelines", "models.base", "training.step", "data_prep.dataset"} <= set(graph)
+    assert "engines.sampler" in graph["engines.vllm_omni_pipelines"]
+    assert "rollout" in graph["training.step"]  # `import rollout` inside a function
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_rollout_layers_import_only_lower_layers():
+    order = ["engines.sampler", "engines.contract", "engines.layout", "engines.native", "engines.vllm_omni",
+             "engines.vllm_omni_pipelines", "engines.protocol", "engines.worker", "rollout"]
+    same_level = {"engines.native", "engines.vllm_omni", "engines.vllm_omni_pipelines"}
+    graph = import_graph(REPO)
+    for i, module in enumerate(order):
+        for target in graph[module]:
+            if target in order:
+                assert order.index(target) < i and not {module, target} <= same_level, \
+                    f"{module} imports {target}, a layer at or above its own"
+    assert graph["engines.vllm_omni_pipelines"] & set(order) == {"engines.sampler"}
+    assert graph["engines"] == set()  # the package's __init__ stays import-light
+
+
+def test_the_checker_finds_a_cycle(tmp_path):
+    """A synthetic tree: a -> pkg.b (inside a function) -> pkg.c (relative) -> a, next to an acyclic part."""
+    (tmp_path / "a.py").write_text("import os\n\ndef f():\n    from pkg.b import g\n    return g\n")
+    (tmp_path / "d.py").write_text("import a\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "b.py").write_text("from . import c\n\ndef g():\n    return c\n")
+    (tmp_path / "pkg" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph == {"a": {"pkg.b"}, "d": {"a"}, "pkg": set(), "pkg.b": {"pkg.c"}, "pkg.c": {"a"}}
+    assert find_cycle(graph) == ["a", "pkg.b", "pkg.c", "a"]
+    (tmp_path / "pkg" / "c.py").write_text("import os\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
+    # the same loop through `from ..x import y` two levels down
+    (tmp_path / "pkg" / "sub").mkdir()
+    (tmp_path / "pkg" / "sub" / "__init__.py").write_text("from ..b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("import pkg.sub\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.b", "pkg.sub", "pkg.b"]
+
+
+def test_the_checker_reads_the_real_tree_without_importing_it():
+    """Parsing only: the graph is built from source text (e.g. vllm-omni, absent here, is never imported)."""
+    before = set(sys.modules)
+    import_graph(REPO)
+    assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("rollout", "engines", "vllm_omni")}
+    assert os.path.isfile(REPO / "engines" / "vllm_omni_pipelines.py")
