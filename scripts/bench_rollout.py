@@ -116,7 +116,7 @@ def build_checkpoint(family: str, out_dir: str, args, device: torch.device, dtyp
         build_tiny_models.build_qwen_image(path)
         cls, config = QwenImageTransformer2DModel, qwen_transformer_config(args)
     else:
-        from models.boogu_image import BooguImageTransformer2DModel
+        from models.boogu_image_transformer import BooguImageTransformer2DModel
 
         build_tiny_models.build_boogu_image(path, edit=False)
         cls, config = BooguImageTransformer2DModel, boogu_transformer_config(args)

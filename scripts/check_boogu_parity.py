@@ -1,5 +1,5 @@
-"""Numerical parity of our `models.boogu_image.BooguImageTransformer2DModel` against the upstream Boogu-Image
-implementation, on tiny random configs (fp32, CPU).
+"""Numerical parity of our `models.boogu_image_transformer.BooguImageTransformer2DModel` against the upstream
+Boogu-Image implementation, on tiny random configs (fp32, CPU).
 
 The same random state dict is loaded (strict, zero missing/unexpected keys) into both models, which then run
 T2I and edit (reference-image) inputs with padded instruction masks of different lengths, per-sample timesteps
@@ -30,7 +30,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from models.boogu_image import BooguImageTransformer2DModel  # noqa: E402
+from models.boogu_image_transformer import BooguImageTransformer2DModel  # noqa: E402
 
 TINY_CONFIGS = {
     # GQA (2 query heads, 1 kv head), one block of each kind.

@@ -25,7 +25,8 @@ from models.lora import (
     to_engine_targets,
     validate_lora_targets,
 )
-from models.boogu_image import BooguImageModel, BooguImageTransformer2DModel
+from models.boogu_image import BooguImageModel
+from models.boogu_image_transformer import BooguImageTransformer2DModel
 from models.qwen_image import QwenImageModel
 
 # one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly

@@ -21,12 +21,12 @@ from models import load_model
 from models.boogu_image import (
     BOOGU_LORA_TARGETS,
     BooguImageModel,
-    BooguImageTransformer2DModel,
     boogu_schedule_mu,
     boogu_system_prompt,
     reference_size,
     vlm_reference_image,
 )
+from models.boogu_image_transformer import BooguImageTransformer2DModel
 
 torch.set_num_threads(1)
 
@@ -268,7 +268,7 @@ def test_rope_tables_survive_fsdp_input_casting():
     torch.distributed.utils._apply_to_tensors); the RoPE tables ride in a StreamContext that it leaves alone."""
     from torch.distributed.utils import _apply_to_tensors
 
-    from models.boogu_image import StreamContext
+    from models.boogu_image_transformer import StreamContext
 
     rope = (torch.rand(1, 4, 12), torch.rand(1, 4, 12))
     args = (torch.rand(1, 4, 48), StreamContext(None, rope), torch.rand(1, 48))

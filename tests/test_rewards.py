@@ -17,6 +17,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import rewards as R
+from reward_models import genrm as G
+from reward_models import pickscore as PS
 
 
 def to_tensor(img: Image.Image) -> torch.Tensor:
@@ -302,7 +304,7 @@ def test_genrm_url_flag_repeats_and_refuses_an_empty_replica():
     assert parser.parse_args([]).genrm_url == "http://127.0.0.1:8000"
     assert parser.parse_args(["--genrm_url", "http://a:1", "--genrm_url", "http://b:2,http://c:3"]).genrm_url == \
         "http://a:1,http://b:2,http://c:3"
-    assert R.split_genrm_urls("http://a:1, http://b:2") == ["http://a:1", "http://b:2"]
+    assert G.split_genrm_urls("http://a:1, http://b:2") == ["http://a:1", "http://b:2"]
     with pytest.raises(ValueError, match="several separated by commas"):
         http_scorer("http://a:1,,http://b:2").score_batch([noise_image()], ["a"], ["ocr"])
 
@@ -507,7 +509,7 @@ def test_bad_reward_weights_are_refused_at_parse_time(spec, match, capsys):
     ("https://h/v1/chat/completions", "https://h/v1/chat/completions"),
 ])
 def test_chat_completions_url(url, expected):
-    assert R.chat_completions_url(url) == expected
+    assert G.chat_completions_url(url) == expected
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -532,7 +534,7 @@ def test_genrm_local_backend_tiny_qwen3_vl(tiny_models):
                                                add_generation_prompt=True)
     text = reader.processor.tokenizer.decode(ids[0] if isinstance(ids[0], list) else ids)
     assert "<|im_start|>system\nYou are a helpful assistant.<|im_end|>" in text
-    assert text.index("<|image_pad|>") < text.index(R.GENRM_OCR_PROMPT)
+    assert text.index("<|image_pad|>") < text.index(G.GENRM_OCR_PROMPT)
     assert text.endswith("<|im_start|>assistant\n")
 
 
@@ -553,7 +555,7 @@ PICKSCORE_V1_HF_CONFIG = {  # the architecture fields of yuvalkirstain/PickScore
 
 def test_open_clip_config_of_pickscore_v1_is_vit_h_14():
     import open_clip
-    assert R.open_clip_config_from_hf(PICKSCORE_V1_HF_CONFIG) == open_clip.get_model_config("ViT-H-14")
+    assert PS.open_clip_config_from_hf(PICKSCORE_V1_HF_CONFIG) == open_clip.get_model_config("ViT-H-14")
 
 
 @pytest.fixture(scope="module")
@@ -611,21 +613,21 @@ def test_pickscore_conversion_is_cached(pickscore, tiny_models, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("conversion re-run despite a cached copy")
 
-    monkeypatch.setattr(R, "convert_hf_clip_state_dict", boom)
-    assert R.convert_clip_checkpoint(f"{tiny_models}/pickscore", cache) == folder
+    monkeypatch.setattr(PS, "convert_hf_clip_state_dict", boom)
+    assert PS.convert_clip_checkpoint(f"{tiny_models}/pickscore", cache) == folder
 
 
 def test_pickscore_conversion_rejects_unmapped_tensors(tiny_models):
     from safetensors.torch import load_file
-    cfg = R.open_clip_config_from_hf(json.load(open(f"{tiny_models}/pickscore/config.json")))
+    cfg = PS.open_clip_config_from_hf(json.load(open(f"{tiny_models}/pickscore/config.json")))
     sd = load_file(f"{tiny_models}/pickscore/model.safetensors")
     sd["vision_model.extra.weight"] = torch.zeros(1)
     with pytest.raises(KeyError, match="does not map"):
-        R.convert_hf_clip_state_dict(sd, cfg)
+        PS.convert_hf_clip_state_dict(sd, cfg)
     sd.pop("vision_model.extra.weight")
     sd.pop("text_model.final_layer_norm.bias")
     with pytest.raises(KeyError, match="final_layer_norm.bias"):
-        R.convert_hf_clip_state_dict(sd, cfg)
+        PS.convert_hf_clip_state_dict(sd, cfg)
 
 
 def test_pickscore_through_scorer(tiny_models, tmp_path):
