@@ -36,20 +36,59 @@ One module per section, read in this order (`import training as T` gives every p
 
 from __future__ import annotations
 
-from .distributed import *  # noqa: F401,F403
-from .model import *  # noqa: F401,F403
-from .optim import *  # noqa: F401,F403
-from .data import *  # noqa: F401,F403
-from .checkpoint import *  # noqa: F401,F403
-from .logs import *  # noqa: F401,F403
-from .step import *  # noqa: F401,F403
-from .preflight import *  # noqa: F401,F403
-from .profiling import *  # noqa: F401,F403
-from .run import *  # noqa: F401,F403
-from .cli import *  # noqa: F401,F403
-from .lifecycle import *  # noqa: F401,F403
-from .model import _full  # noqa: F401  (tests use it on DTensors)
+# 1. process group, ranks, seeding, collective failure relay
+from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_rank, launch_rank, get_world_size,
+                          get_local_rank, is_main_process, is_local_main_process, barrier, all_gather_cat,
+                          seed_everything, RankFailed, raise_if_any_rank_failed, on_rank0, collective_timeout_s,
+                          COLLECTIVE_TIMEOUT_MARGIN_S)
+# 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors (`_full`: not public, tests use it)
+from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter, transformer_blocks,
+                    apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
+                    base_weight_dtype, cast_frozen_base_, shard_transformer, prepare_transformer, adapter_state_dict,
+                    load_adapter_state_, save_adapter_dir, adapter_config_dict, _full)
+# 3. AdamW, lr schedules, the checked optimizer step, the `old` adapter refresh
+from .optim import (build_optimizer, LR_SCHEDULES, lr_multiplier, build_lr_scheduler, lr_scheduler_state,
+                    load_lr_scheduler_state_, GradStepper, ema_adapter_, old_policy_refresh)
+# 4. the resumable prompt sampler
+from .data import SamplerBatch, PromptSampler
+# 5. atomic checkpoints, resume policy and integrity
+from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapter, adapter_checkpoint, MARKER,
+                         CHECKPOINT_FORMAT, RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, RESUME_MUTABLE_KEYS,
+                         config_fingerprint, content_fingerprints, path_fingerprint, sha256_file, library_versions,
+                         optimizer_full_state, load_optimizer_full_state_, save_checkpoint, GatheredState,
+                         gather_checkpoint, write_checkpoint, save_gathered, find_latest, verify_checkpoint,
+                         clean_orphans, check_resume_config, ResumePlan, prepare_resume, load_checkpoint)
+# 6. TensorBoard, metric reduction, image grids, timers, run metadata, the console log
+from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, perf_metrics, timer,
+                   image_grid, sample_caption, rollout_grid, prompt_text, all_gather_objects, gather_first_images,
+                   Progress, git_commit, write_run_metadata, read_run_config, set_defaults_from_run, tee_console,
+                   log_only, log_time, run_summary, LOG_FILE, HelpFormatter, PEAK_TFLOPS_ENV, device_peak_flops,
+                   rollout_device_count, transformer_flops, phase_perf_metrics)
+# 7. flags, rollout requests, rewards, advantages, validation, adapter sync
+from .step import (add_common_args, resolve_device, guidance_of, guidance_for, rollout_request, score_samples,
+                   global_advantages, sync_rollout_adapter, parse_lora_init, load_flow_model, check_batch_sizes,
+                   resolve_adapter_dir, adapter_arg, verify_adapter_spec, init_adapter_mismatch, load_init_adapter,
+                   ValidationOutcome, run_validation, validate, prune_rollout_adapters, clean_rollout_adapters,
+                   score_inputs, RewardStream, rollout_and_score, submit_rollout, peek_batch, lag_next_rollout,
+                   check_rollout_lag, publish_adapter_tensors, publish_tensors, JUDGE_LOG, judge_records,
+                   log_judge_replies, nonfinite_rows, score_finite, JudgeRepliesEmpty, empty_reply_counts)
+# 8. model-free start-up checks
+from .preflight import (PreflightError, run_preflight, check_flags, check_datasets, check_rewards, check_output_dir,
+                        probe_judge, rewards_used, check_reward_signs, check_rollout_devices, check_init_adapter,
+                        truncated_prompts)
+# 9. torch.profiler trace of one step and its per-phase table
+from .profiling import (step_profiler, export_trace, load_trace, PhaseRow, KernelRow, ProfileTable, profile_table,
+                        format_profile_table, PHASE_PREFIX)
+# 10. setup_run / Run: the setup and the tail of every step
+from .run import Run, setup_run, StopSignals, TrainingDiverged, prepare_output_dir, FATAL_SAVE_EXCLUDED
+# 11. the trainers' command line
+from .cli import ArgumentParser, run_cli, suggest_flags, one_line_error
+# 12. run lock, parent watchdog, heartbeats
+from .lifecycle import (RUN_LOCK, RunLockError, RunLock, pid_alive, describe_holder, watch_parent, silent_ranks,
+                        describe_silent, start_heartbeats, install_collective_explainer, collective_explanation,
+                        HEARTBEAT_STALE_S)
 
-__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight,  # noqa: F405
+# every public name above, module by module (each module's own __all__)
+__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight,  # noqa: F821
                                profiling, run, cli, lifecycle)
            for name in module.__all__]
