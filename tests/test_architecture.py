@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PRODUCT_PACKAGES = ("engines", "models", "training", "data_prep")
+PRODUCT_PACKAGES = ("engines", "models", "reward_models", "training", "data_prep")
 
 
 def product_modules(root: Path, packages: tuple[str, ...] = PRODUCT_PACKAGES) -> dict[str, Path]:
