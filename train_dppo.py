@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
@@ -66,14 +68,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def replay(model, latents, sigma, sigma_next, next_latents, cond, sigmas, scale, args):
-    """Log-prob and mean of the stored transition latents -> next_latents from `sigma` to `sigma_next` ((B,), the
-    stored timesteps looked up and checked once per step) under the model's current weights, with the rollout's
-    conditioning `cond` (`models.base.Conditioning`), CFG and SDE."""
-    velocity = model.guided_velocity(latents, sigma, cond.prompt, cond.negative, scale, cond.ref_latents,
-                                     height=args.height, width=args.width)
-    return losses.sde_step(latents, velocity, sigma, sigma_next, noise_level=args.noise_level,
-                           sde_type=args.sde_type, sigma_max=sigmas[1], prev_sample=next_latents, validate=False)
+@dataclass
+class StoredWindow:
+    """This rank's stored SDE window on the training device: latents (B, W+1, ...) (fp32), the schedule position of
+    each stored transition j, sigma -> sigma_next (B, W) each (the stored timesteps 1000·σ looked up in the schedule
+    `sigmas` (N+1,) by exact equality and checked once per step), and the rollout's conditioning
+    (`models.base.Conditioning`)."""
+
+    latents: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    sigmas: torch.Tensor
+    cond: Any
+
+
+def replay(model, window: StoredWindow, mb: torch.Tensor, scale: float, args) -> Iterator[tuple[int, Any]]:
+    """Replay the samples `mb` ((b,) row indices) through their stored window: for each stored step j, yield
+    (j, `losses.sde_step` output), the log-prob and mean of the stored transition latents[:, j] -> latents[:, j+1]
+    under the model's current weights, with the rollout's conditioning, CFG `scale` and SDE."""
+    cond = window.cond.index(mb)
+    for j in range(window.sigma.shape[1]):
+        latents, sigma = window.latents[mb, j], window.sigma[mb, j]
+        velocity = model.guided_velocity(latents, sigma, cond.prompt, cond.negative, scale, cond.ref_latents,
+                                         height=args.height, width=args.width)
+        yield j, losses.sde_step(latents, velocity, sigma, window.sigma_next[mb, j], noise_level=args.noise_level,
+                                 sde_type=args.sde_type, sigma_max=window.sigmas[1],
+                                 prev_sample=window.latents[mb, j + 1], validate=False)
 
 
 def main(argv=None) -> None:
@@ -81,7 +101,7 @@ def main(argv=None) -> None:
     window_range = tuple(int(v) for v in args.sde_window_range.split(",")) if args.sde_window_range else None
     # ---------------------------------------------------------------- setup (training.setup_run)
     run = T.setup_run(args, adapter_names=(T.ADAPTER_DEFAULT,))
-    model, device, rank, world, scale = run.model, run.device, run.rank, run.world, run.scale
+    model, device, rank, world, scale = run.model, run.device, run.rank, run.world, run.cfg_scale
     run.sync_rollout(T.ADAPTER_DEFAULT, run.start_step)
     if args.val_before_train and run.val_data is not None and run.start_step == 0:
         run.validate(0)
@@ -96,10 +116,9 @@ def main(argv=None) -> None:
         # 1. SDE rollout with the current policy and its rewards, scored as chunks finish
         request = T.rollout_request(
             rows, n=args.rollout_n, first_row=rank * n_local, seed=args.seed, step=step,
-            num_inference_steps=args.num_inference_steps, height=args.height, width=args.width,
-            family=model.family, scale=scale, noise_level=args.noise_level, sde_type=args.sde_type,
-            sde_window_size=args.sde_window_size, sde_window_range=window_range, return_log_probs=True,
-            return_trajectory=True)
+            num_inference_steps=args.num_inference_steps, height=args.height, width=args.width, cfg_scale=scale,
+            noise_level=args.noise_level, sde_type=args.sde_type, sde_window_size=args.sde_window_size,
+            sde_window_range=window_range, return_log_probs=True, return_trajectory=True)
         result, scored = T.rollout_and_score(run, request, rows, timings, step)
         num_w = result.all_timesteps.shape[1]
 
@@ -109,29 +128,22 @@ def main(argv=None) -> None:
                                                       norm_by_std=args.norm_adv_by_std, num_steps=num_w)
         advantages = advantages.to(device)
 
-        latents = result.all_latents.to(device)                   # (B, W+1, ...) fp32
-        timesteps = result.all_timesteps.to(device)               # (B, W)
-        cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
         sigmas = result.metadata["sigmas"].to(device)
-        # the stored timesteps (1000·σ) looked up in the schedule by exact equality, and checked, once per step
-        sigma, sigma_next = losses.sigmas_at_timesteps(timesteps, sigmas)  # (B, W) each
+        sigma, sigma_next = losses.sigmas_at_timesteps(result.all_timesteps.to(device), sigmas)  # (B, W) each
         losses.check_sde_sigmas(sigma, sigma_next, sde_type=args.sde_type, sigma_max=sigmas[1])
+        cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
+        window = StoredWindow(result.all_latents.to(device), sigma, sigma_next, sigmas, cond)
 
         # 3. old log-probs and means, recomputed with the weights that sampled (ratio = 1 at the first update), or
         #    the rollout's own (--old_log_probs rollout)
         rollout_log_probs = result.all_log_probs.to(device)
         if args.old_log_probs == "recompute":
             old_log_probs = torch.empty(n_local, num_w, device=device)
-            old_means = torch.empty_like(latents[:, 1:])
+            old_means = torch.empty_like(window.latents[:, 1:])
             with T.timer("old_log_prob", timings), torch.no_grad():
-                for micro in range(0, n_local, args.micro_batch_size):
-                    rows_ = torch.arange(micro, min(micro + args.micro_batch_size, n_local), device=device)
-                    cond_mb = cond.index(rows_)
-                    for j in range(num_w):
-                        out = replay(model, latents[rows_, j], sigma[rows_, j], sigma_next[rows_, j],
-                                     latents[rows_, j + 1], cond_mb, sigmas, scale, args)
-                        old_log_probs[rows_, j] = out.log_prob
-                        old_means[rows_, j] = out.prev_sample_mean
+                for mb in T.micro_batches(0, n_local, args.micro_batch_size, device):
+                    for j, out in replay(model, window, mb, scale, args):
+                        old_log_probs[mb, j], old_means[mb, j] = out.log_prob, out.prev_sample_mean
             first_pass = None
         else:
             if result.all_means is None:
@@ -139,35 +151,30 @@ def main(argv=None) -> None:
                                    "rollout engine did not return them")
             old_log_probs, old_means = rollout_log_probs, result.all_means.to(device)
             first_pass = torch.zeros_like(old_log_probs)  # the first mini-batch's log-probs: the rollout_corr check
+
         # 4. update the policy
         accumulator = T.MetricAccumulator()
         samples_per_mini = (run.mini_prompts // world) * args.rollout_n
         with T.timer("update_actor", timings):
-            for epoch in range(args.ppo_epochs):
-                for mini in range(0, n_local, samples_per_mini):
-                    micro_starts = range(mini, mini + samples_per_mini, args.micro_batch_size)
-                    for micro in micro_starts:
-                        rows_ = torch.arange(micro, micro + args.micro_batch_size, device=device)
-                        cond_mb = cond.index(rows_)
-                        for j in range(num_w):
-                            out = replay(model, latents[rows_, j], sigma[rows_, j], sigma_next[rows_, j],
-                                         latents[rows_, j + 1], cond_mb, sigmas, scale, args)
-                            if first_pass is not None and epoch == 0 and mini == 0:  # weights = the rollout's
-                                first_pass[rows_, j] = out.log_prob.detach()
-                            if args.loss == "flow_dppo":
-                                loss, loss_metrics = run.stepper.checked_loss(losses.flow_dppo_loss,
-                                    out.log_prob, old_log_probs[rows_, j], advantages[rows_], out.prev_sample_mean,
-                                    old_means[rows_, j], out.std_dev_t, out.sqrt_neg_dt,
-                                    kl_mask_threshold=args.kl_mask_threshold,
-                                    add_kl_coefficient=args.add_kl_coefficient, sync=args.loss_metrics == "host")
-                            else:
-                                loss, loss_metrics = run.stepper.checked_loss(losses.flow_grpo_loss,
-                                    out.log_prob, old_log_probs[rows_, j], advantages[rows_],
-                                    clip_ratio=args.clip_ratio, adv_clip_max=args.adv_clip_max,
-                                    sync=args.loss_metrics == "host")
-                            (loss / (len(micro_starts) * num_w)).backward()
-                            accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
-                    accumulator.add(run.stepper.step(run.optimizer))
+            for i, micro_batches in enumerate(T.mini_batches(n_local, samples_per_mini, args.micro_batch_size,
+                                                             epochs=args.ppo_epochs, device=device)):
+                for mb in micro_batches:  # (b,) sample indices
+                    for j, out in replay(model, window, mb, scale, args):
+                        if first_pass is not None and i == 0:  # the first mini-batch: weights = the rollout's
+                            first_pass[mb, j] = out.log_prob.detach()
+                        if args.loss == "flow_dppo":
+                            loss, loss_metrics = run.stepper.checked_loss(losses.flow_dppo_loss,
+                                out.log_prob, old_log_probs[mb, j], advantages[mb], out.prev_sample_mean,
+                                old_means[mb, j], out.std_dev_t, out.sqrt_neg_dt,
+                                kl_mask_threshold=args.kl_mask_threshold, add_kl_coefficient=args.add_kl_coefficient,
+                                sync=args.loss_metrics == "host")
+                        else:
+                            loss, loss_metrics = run.stepper.checked_loss(losses.flow_grpo_loss,
+                                out.log_prob, old_log_probs[mb, j], advantages[mb], clip_ratio=args.clip_ratio,
+                                adv_clip_max=args.adv_clip_max, sync=args.loss_metrics == "host")
+                        (loss / (len(micro_batches) * num_w)).backward()
+                        accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
+                accumulator.add(run.stepper.step(run.optimizer))
 
         # rollout/trainer log-prob gap: of the recompute, or (bypass) of the first mini-batch's pass
         if first_pass is None:
@@ -177,15 +184,10 @@ def main(argv=None) -> None:
         accumulator.add({"rollout_corr/logprob_abs_diff_mean": rollout_gap.mean(),
                          "rollout_corr/logprob_abs_diff_max": rollout_gap.max()})
 
-        # 5. sync the policy to the rollout workers; logging, validation, checkpoint
+        # 5. sync the policy to the rollout workers; logging (with perf/mfu/* of each phase), validation, checkpoint
         timings.update(run.sync_rollout(T.ADAPTER_DEFAULT, step))
         metrics.update(accumulator.reduce())
-        # model FLOPs of each phase (forward = 1, a trained forward = 3) -> perf/mfu/* and peak memory
-        per_row = T.transformer_flops(model, cond, height=args.height, width=args.width, guided=scale > 1.0)
-        metrics.update(T.phase_perf_metrics(timings, {  # gen: every rank's samples on the rollout devices
-            "gen": (per_row * args.num_inference_steps * world, T.rollout_device_count(args.rollout_devices)),
-            "old_log_prob": (per_row * num_w, 1),
-            "update_actor": (per_row * num_w * 3 * args.ppo_epochs, 1)}, device))
+        metrics.update(T.dppo_perf_metrics(run, cond, timings, num_w=num_w))
         run.end_step(step, metrics, timings, step_start, batch.epoch)
     run.close()
 

@@ -33,6 +33,12 @@ import training as T
 from models import lora
 
 
+# The CFG scale when neither --guidance_scale nor --true_cfg_scale is given, per model family, where this trainer's
+# default differs from the model's (`models.base.DEFAULT_CFG_SCALE`): verl-omni's Qwen-Image DiffusionNFT recipe
+# samples without CFG. train_dppo.py keeps the model defaults.
+CFG_SCALE_DEFAULTS = {"qwen_image": 1.0}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = T.ArgumentParser(description=__doc__)
     T.add_common_args(parser)
@@ -56,9 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CFG of the training forwards (old, reference, policy): 'rollout' = the rollout's scale "
                         "(2 transformer passes each when guided), 'off' = CFG-free (DiffusionNFT's design; 1 pass "
                         "each); the rollout always samples with its CFG")
-    # verl-omni's Qwen-Image DiffusionNFT recipe and config default: no CFG (true_cfg_scale=1.0); train_dppo.py
-    # keeps Qwen-Image's 4.0. An explicit --true_cfg_scale wins; Boogu-Image's guidance_scale default is unchanged.
-    parser.set_defaults(qwen_true_cfg_default=1.0)
     g.add_argument("--rollout_policy_lag", type=int, default=0, choices=[0, 1],
                    help="1 = sample step k+1 with `old` while step k trains (one refresh of `old` behind; logged as "
                         "rollout/policy_lag); needs rollout GPUs no trainer uses; off until a learning comparison "
@@ -72,11 +75,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def old_and_reference(model, forward, with_reference: bool):
+    """The no-grad targets of one training forward `forward()` (the wrapper's velocity at this x_t, t, conditioning
+    and CFG): with the `old` adapter, and with the base model (every adapter off) when `with_reference`."""
+    with torch.no_grad():
+        with T.use_adapter(model.transformer, T.ADAPTER_OLD):
+            v_old = forward()
+        if not with_reference:
+            return v_old, None
+        with lora.lora_disabled(model.transformer):
+            return v_old, forward()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     # ---------------------------------------------------------------- setup (training.setup_run)
-    run = T.setup_run(args, adapter_names=(T.ADAPTER_DEFAULT, T.ADAPTER_OLD))
-    model, device, rank, world, scale = run.model, run.device, run.rank, run.world, run.scale
+    run = T.setup_run(args, adapter_names=(T.ADAPTER_DEFAULT, T.ADAPTER_OLD), cfg_defaults=CFG_SCALE_DEFAULTS)
+    model, device, rank, world, scale = run.model, run.device, run.rank, run.world, run.cfg_scale
     train_scale = scale if args.train_cfg == "rollout" else 1.0  # CFG of the training forwards
     if run.start_step == 0:
         lora.copy_adapter_(model.transformer, T.ADAPTER_DEFAULT, T.ADAPTER_OLD)  # rollouts start from the policy
@@ -87,8 +102,8 @@ def main(argv=None) -> None:
     def request_for(rows, step):  # this rank's deterministic ODE rollout of `rows` at `step`
         return T.rollout_request(
             rows, n=args.rollout_n, first_row=rank * len(rows) * args.rollout_n, seed=args.seed, step=step,
-            num_inference_steps=args.num_inference_steps, height=args.height, width=args.width,
-            family=model.family, scale=scale, noise_level=0.0)
+            num_inference_steps=args.num_inference_steps, height=args.height, width=args.width, cfg_scale=scale,
+            noise_level=0.0)
 
     # ---------------------------------------------------------------- loop
     for step in run.steps():
@@ -110,46 +125,37 @@ def main(argv=None) -> None:
             reward_prob = losses.reward_probability(advantages, adv_clip_max=args.adv_clip_max,
                                                     adv_mode=args.adv_mode).to(device)
 
-        # 3. update the `default` adapter
+        # 3. update the `default` adapter: K timesteps per sample, x_t = (1 - t) x0 + t ε with fresh ε
         x0 = result.latents_clean.to(device)
         cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
         schedule_timesteps = result.metadata["sigmas"][:-1] * 1000
         train_timesteps = losses.select_train_timesteps(
             schedule_timesteps.expand(n_local, -1), timestep_fraction=args.timestep_fraction,
-            seed=args.timestep_shuffle_seed).to(device)
+            seed=args.timestep_shuffle_seed).to(device)  # (B, K), integer 1000·σ
         num_k = train_timesteps.shape[1]
         accumulator = T.MetricAccumulator()
         samples_per_mini = (run.mini_prompts // world) * args.rollout_n
         with T.timer("update_actor", timings):
-            for _ in range(args.ppo_epochs):
-                for mini in range(0, n_local, samples_per_mini):
-                    micro_starts = range(mini, mini + samples_per_mini, args.micro_batch_size)
-                    for micro in micro_starts:
-                        rows_ = torch.arange(micro, micro + args.micro_batch_size, device=device)
-                        x0_mb, cond_mb = x0[rows_], cond.index(rows_)
-                        for k in range(num_k):
-                            t = train_timesteps[rows_, k].float() / 1000
-                            noise = torch.randn_like(x0_mb)
-                            t_b = t.reshape(-1, *([1] * (x0_mb.ndim - 1)))
-                            xt = (1 - t_b) * x0_mb + t_b * noise
-                            forward = lambda: model.guided_velocity(  # noqa: E731
-                                xt, t, cond_mb.prompt, cond_mb.negative, train_scale, cond_mb.ref_latents,
-                                height=args.height, width=args.width)
-                            with torch.no_grad():
-                                with T.use_adapter(model.transformer, T.ADAPTER_OLD):
-                                    v_old = forward()
-                                v_ref = None
-                                if args.ref_kl_coef > 0:
-                                    with lora.lora_disabled(model.transformer):
-                                        v_ref = forward()
-                            v = forward()
-                            loss, loss_metrics = run.stepper.checked_loss(losses.diffusion_nft_loss,
-                                v, v_old, x0_mb, xt, t, reward_prob[rows_], mix_beta=args.mix_beta,
-                                adv_clip_max=args.adv_clip_max, ref_prediction=v_ref, ref_kl_coef=args.ref_kl_coef,
-                                adaptive_weight_min=args.adaptive_weight_min, sync=args.loss_metrics == "host")
-                            (loss / (len(micro_starts) * num_k)).backward()
-                            accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
-                    accumulator.add(run.stepper.step(run.optimizer))
+            for micro_batches in T.mini_batches(n_local, samples_per_mini, args.micro_batch_size,
+                                                epochs=args.ppo_epochs, device=device):
+                for mb in micro_batches:  # (b,) sample indices
+                    x0_mb, cond_mb = x0[mb], cond.index(mb)
+                    for k in range(num_k):
+                        t = train_timesteps[mb, k].float() / 1000
+                        t_b = t.reshape(-1, *([1] * (x0_mb.ndim - 1)))
+                        xt = (1 - t_b) * x0_mb + t_b * torch.randn_like(x0_mb)
+                        forward = lambda: model.guided_velocity(  # noqa: E731
+                            xt, t, cond_mb.prompt, cond_mb.negative, train_scale, cond_mb.ref_latents,
+                            height=args.height, width=args.width)
+                        v_old, v_ref = old_and_reference(model, forward, with_reference=args.ref_kl_coef > 0)
+                        v = forward()
+                        loss, loss_metrics = run.stepper.checked_loss(losses.diffusion_nft_loss,
+                            v, v_old, x0_mb, xt, t, reward_prob[mb], mix_beta=args.mix_beta,
+                            adv_clip_max=args.adv_clip_max, ref_prediction=v_ref, ref_kl_coef=args.ref_kl_coef,
+                            adaptive_weight_min=args.adaptive_weight_min, sync=args.loss_metrics == "host")
+                        (loss / (len(micro_batches) * num_k)).backward()
+                        accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
+                accumulator.add(run.stepper.step(run.optimizer))
 
         # 4. refresh the `old` adapter and sync it to the rollout workers
         old_metrics = T.old_policy_refresh(model.transformer, step, interval=args.old_policy_update_interval,
@@ -157,17 +163,10 @@ def main(argv=None) -> None:
         if old_metrics["old_policy/update_applied"]:  # an unchanged `old` needs no new rollout version
             timings.update(run.sync_rollout(T.ADAPTER_OLD, step))
 
-        # 5. logging, validation, checkpoint
+        # 5. logging (with perf/mfu/* of each phase), validation, checkpoint
         metrics.update(accumulator.reduce())
         metrics.update(old_metrics)
-        # model FLOPs of each phase (forward = 1, a trained forward = 3) -> perf/mfu/* and peak memory
-        per_row = T.transformer_flops(model, cond, height=args.height, width=args.width, guided=scale > 1.0)
-        per_train_row = T.transformer_flops(model, cond, height=args.height, width=args.width,
-                                            guided=train_scale > 1.0)
-        forwards = 3 + 1 + (1 if args.ref_kl_coef > 0 else 0)  # policy fwd+bwd, old, reference
-        metrics.update(T.phase_perf_metrics(timings, {  # gen: every rank's samples on the rollout devices
-            "gen": (per_row * args.num_inference_steps * world, T.rollout_device_count(args.rollout_devices)),
-            "update_actor": (per_train_row * num_k * forwards * args.ppo_epochs, 1)}, device))
+        metrics.update(T.nft_perf_metrics(run, cond, timings, num_k=num_k, train_scale=train_scale))
         run.end_step(step, metrics, timings, step_start, batch.epoch)
     run.close()
 

@@ -7,6 +7,7 @@ Imports torch, `losses`, `models.base` and `engines.sampler` only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -43,8 +44,8 @@ class RolloutRequest:
     negative_prompts: per sample (same forms), required when guidance is active.
     images: per sample reference image (uint8 (3, H, W) tensor or PIL) for Boogu edit, else None.
     seeds: per-sample seeds (see `row_seed`).
-    guidance_scale: Boogu-Image text CFG (None -> 4.0, the released default). true_cfg_scale: Qwen-Image true CFG
-    (None -> 4.0, diffusers' default). Setting the other family's knob is an error.
+    cfg_scale: the CFG scale s of every sample, velocity = uncond + s·(cond - uncond) (s <= 1: no CFG, no negative
+    prompts needed); each engine hands it to its family's pipeline argument (`models.base.CFG_ARGUMENT`).
     noise_level / sde_type / sde_window_size / sde_window_range: the SDE knobs (noise_level 0 = ODE rollout).
     return_log_probs / return_trajectory: store the window's log-probs / latents and timesteps.
     """
@@ -54,10 +55,9 @@ class RolloutRequest:
     num_inference_steps: int
     height: int
     width: int
+    cfg_scale: float
     negative_prompts: list | None = None
     images: list | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
     noise_level: float = 0.0
     sde_type: str = "sde"
     sde_window_size: int | None = None
@@ -77,8 +77,12 @@ class RolloutRequest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
-        """Build from a plain dict; unknown keys are an error (a typo must not silently use a default)."""
+        """Build from a plain dict; unknown or missing keys are an error (a typo must not silently use a default)."""
         _check_keys(cls, data, "rollout request")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING and f.name not in data)
+        if missing:
+            raise ValueError(f"missing rollout request keys {missing}")
         request = cls(**data)
         request.validate()
         return request
@@ -94,6 +98,12 @@ class RolloutRequest:
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        if isinstance(self.cfg_scale, bool) or not isinstance(self.cfg_scale, (int, float)) \
+                or not math.isfinite(self.cfg_scale):
+            raise ValueError(f"cfg_scale must be a finite number (1.0 = no CFG), got {self.cfg_scale!r}")
+        if self.cfg_scale > 1.0 and self.negative_prompts is None:
+            raise ValueError(f"cfg_scale {self.cfg_scale} > 1 needs negative prompts (one per sample); pass "
+                             "negative_prompts or set cfg_scale to 1.0 to disable CFG")
         if not isinstance(self.num_inference_steps, int) or self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be a positive int, got {self.num_inference_steps!r}")
         if self.sde_type not in losses.SDE_TYPES:

@@ -122,13 +122,8 @@ class NativeEngine:
         model, n = self.model, len(request)
         height, width, steps = request.height, request.width, request.num_inference_steps
         model.validate_size(height, width)
-        scale = self.model.resolve_guidance(request.guidance_scale, request.true_cfg_scale)
-        guided = scale > 1.0
-        if guided and request.negative_prompts is None:
-            raise ValueError(
-                f"{model.family}: guidance scale {scale} > 1 needs negative prompts (one per sample); pass "
-                "negative_prompts or set the scale to 1.0 to disable CFG"
-            )
+        scale = float(request.cfg_scale)
+        guided = scale > 1.0  # with its negative prompts (`RolloutRequest.validate`)
         edit = request.images is not None and any(im is not None for im in request.images)
         generators = [torch.Generator(device=request.generator_device).manual_seed(int(s)) for s in request.seeds]
 

@@ -24,7 +24,7 @@ import torch
 # torch.load(weights_only=True) (no pickled classes, so no import of the sender's code on the receiver), then
 # checked again. Bump PROTOCOL_VERSION whenever a message's layout or meaning changes: the start-up handshake
 # refuses a peer that speaks another version.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _MAGIC = b"FRLW"
 _HEADER = struct.Struct("<4sQ")  # magic, payload length
 _PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)  # bytes: CUDA IPC handles

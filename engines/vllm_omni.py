@@ -19,7 +19,7 @@ import torch
 
 from engines.contract import RolloutRequest, RolloutResult, image_to_uint8
 from engines.sampler import window_length
-from models.base import PromptEmbeds
+from models.base import PromptEmbeds, pipeline_cfg_kwargs
 
 VLLM_OMNI_PIPELINES = {
     "qwen_image": "engines.vllm_omni_pipelines.RLQwenImagePipeline",
@@ -89,23 +89,11 @@ def vllm_omni_sampling_kwargs(family: str, request: RolloutRequest, row: int) ->
     """Keyword arguments of sample `row`'s OmniDiffusionSamplingParams (without the LoRA request).
 
     One request per sample: `seed` is per request in vllm-omni, and `generator_device` is pinned so the noise
-    equals the native engine's. Guidance goes to the family's knob (Boogu `guidance_scale`, Qwen `true_cfg_scale`,
-    both explicit so vllm-omni's defaulting never decides); the SDE knobs ride in `extra_args`.
+    equals the native engine's. The CFG scale goes to the family's pipeline argument (`models.base.CFG_ARGUMENT`:
+    Boogu `guidance_scale`, Qwen `true_cfg_scale`), always explicit so vllm-omni's defaulting never decides; the SDE
+    knobs ride in `extra_args`.
     """
-    if family == "boogu_image":
-        if request.true_cfg_scale is not None:
-            raise ValueError("Boogu-Image is guided by guidance_scale, not true_cfg_scale (a Qwen-Image knob)")
-        guidance = {"guidance_scale": 4.0 if request.guidance_scale is None else float(request.guidance_scale)}
-    elif family == "qwen_image":
-        if request.guidance_scale is not None:
-            raise ValueError("Qwen-Image is guided by true_cfg_scale; guidance_scale is for guidance-distilled models")
-        guidance = {"true_cfg_scale": 4.0 if request.true_cfg_scale is None else float(request.true_cfg_scale)}
-    else:
-        raise ValueError(f"unknown family {family!r}")
-    scale = next(iter(guidance.values()))
-    if scale > 1.0 and request.negative_prompts is None:
-        raise ValueError(f"{family}: guidance scale {scale} > 1 needs negative prompts (one per sample); pass "
-                         "negative_prompts or set the scale to 1.0 to disable CFG")
+    guidance = pipeline_cfg_kwargs(family, request.cfg_scale)  # the scale as the family's pipeline argument
     extra = {
         "rl_noise_level": float(request.noise_level),
         "rl_sde_type": request.sde_type,
@@ -353,9 +341,11 @@ class VllmOmniEngine:
 
     # ---- generation -------------------------------------------------------------------------------------------
     def build_requests(self, request: RolloutRequest) -> list[tuple[dict[str, Any], Any]]:
-        """(prompt dict, OmniDiffusionSamplingParams) per sample, with the current LoRA request attached."""
+        """(prompt dict, OmniDiffusionSamplingParams) per sample of the validated `request`, with the current LoRA
+        request attached."""
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
+        request.validate()
         return [(vllm_omni_prompt(self.family, request, b),
                  OmniDiffusionSamplingParams(lora_request=self._lora_request,
                                              **vllm_omni_sampling_kwargs(self.family, request, b)))
@@ -365,7 +355,6 @@ class VllmOmniEngine:
         import asyncio
         import uuid
 
-        request.validate()
         pairs = self.build_requests(request)
         tag = uuid.uuid4().hex[:8]
 

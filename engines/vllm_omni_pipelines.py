@@ -42,7 +42,7 @@ import torch
 
 import losses
 from engines.sampler import VLLM_OMNI_RL_KEYS, rl_denoise, sde_window_starts, window_length
-from models.base import per_row_noise
+from models.base import DEFAULT_CFG_SCALE, per_row_noise
 from models.boogu_image import boogu_schedule_mu
 from models.qwen_image import LATENT_CHANNELS, pack_latents, qwen_image_sigmas
 
@@ -219,7 +219,7 @@ class RLQwenImagePipeline(QwenImagePipeline):
             raise ValueError("the RL pipeline makes one output per request (send n requests with n seeds)")
         msl = sp.max_sequence_length or 1024
         prompts, negatives = _texts(req.prompts), _negatives(req.prompts)
-        scale = 1.0 if dummy else (4.0 if sp.true_cfg_scale is None else float(sp.true_cfg_scale))
+        scale = 1.0 if dummy else (DEFAULT_CFG_SCALE if sp.true_cfg_scale is None else float(sp.true_cfg_scale))
         guided = _check_scale(scale, negatives, "true_cfg_scale")
         generators = _generators(req)
         n, device = len(prompts), self.device
@@ -287,7 +287,7 @@ class RLBooguImagePipeline(BooguImagePipeline):
         if sp.guidance_scale_2_provided and sp.guidance_scale_2 != 1.0:
             raise ValueError("image guidance (guidance_scale_2) is not part of the RL rollout contract")
         prompts, negatives = _texts(req.prompts), _negatives(req.prompts)
-        scale = 1.0 if dummy else (float(sp.guidance_scale) if sp.guidance_scale_provided else 4.0)
+        scale = 1.0 if dummy else (float(sp.guidance_scale) if sp.guidance_scale_provided else DEFAULT_CFG_SCALE)
         guided = _check_scale(scale, negatives, "guidance_scale")
         generators = _generators(req)
         n, device = len(prompts), self._execution_device

@@ -162,16 +162,32 @@ def vae_scale_factor(family: str, vae_config: Any) -> int:
     raise ValueError(f"unknown model family {family!r}")
 
 
-def resolve_guidance(family: str, guidance_scale: float | None, true_cfg_scale: float | None) -> float:
-    """The CFG scale from the family's own knob: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`
-    (both default 4.0, the released pipelines' defaults). Setting the other family's knob is an error: it would
-    otherwise be ignored silently."""
-    own, other = ("guidance_scale", "true_cfg_scale") if family == "boogu_image" else (
-        "true_cfg_scale", "guidance_scale")
+# ---- classifier-free guidance: one scale, each family's pipeline argument -------------------------------------
+DEFAULT_CFG_SCALE = 4.0  # both released pipelines' default: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`
+# the keyword each family's pipeline (ours, diffusers', vllm-omni's) takes the CFG scale as; also the user flag
+CFG_ARGUMENT = {"boogu_image": "guidance_scale", "qwen_image": "true_cfg_scale"}
+
+
+def cfg_scale(family: str, guidance_scale: float | None, true_cfg_scale: float | None, *,
+              default: float = DEFAULT_CFG_SCALE) -> float:
+    """The one CFG scale s (velocity = uncond + s·(cond - uncond); s <= 1 = no CFG) from the two user-facing knobs:
+    the family's own (`CFG_ARGUMENT`: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`), else `default`.
+    Setting the other family's knob is a ValueError: it would otherwise be ignored silently."""
+    if family not in CFG_ARGUMENT:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(CFG_ARGUMENT)}")
     values = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}
+    own = CFG_ARGUMENT[family]
+    other = next(name for name in values if name != own)
     if values[other] is not None:
         raise ValueError(f"{family} is guided by {own}; {other} belongs to the other model family")
-    return 4.0 if values[own] is None else float(values[own])
+    return float(default) if values[own] is None else float(values[own])
+
+
+def pipeline_cfg_kwargs(family: str, scale: float) -> dict[str, float]:
+    """{the family's pipeline argument: `scale`} (`CFG_ARGUMENT`), e.g. {"true_cfg_scale": 4.0} for Qwen-Image."""
+    if family not in CFG_ARGUMENT:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(CFG_ARGUMENT)}")
+    return {CFG_ARGUMENT[family]: float(scale)}
 
 
 def nearest_multiples(value: int, k: int) -> tuple[int, int]:
@@ -221,10 +237,6 @@ class FlowModel:
         # Both give the same velocity up to float tolerance; the rollout and the trainer's replay must use the same
         # mode so that their kernels (and hence the rounding) match.
         self.cfg_batch = bool(cfg_batch)
-
-    def resolve_guidance(self, guidance_scale: float | None, true_cfg_scale: float | None) -> float:
-        """The CFG scale from the family's own knob (see `resolve_guidance`)."""
-        return resolve_guidance(self.family, guidance_scale, true_cfg_scale)
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property

@@ -173,14 +173,13 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def make_request(family: str, args) -> rollout.RolloutRequest:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
-    knob = {"true_cfg_scale": args.scale} if family == "qwen_image" else {"guidance_scale": args.scale}
     window = min(2, args.steps - 1) if args.steps > 1 else None
     return rollout.RolloutRequest(
         prompts=prompts, negative_prompts=[NEGATIVE[family]] * args.batch,
         seeds=[rollout.row_seed(args.seed, 1, i) for i in range(args.batch)],
         num_inference_steps=args.steps, height=args.height, width=args.width, noise_level=args.noise_level,
         sde_window_size=window, sde_window_range=(0, args.steps) if window else None,
-        return_log_probs=window is not None, return_trajectory=window is not None, **knob)
+        return_log_probs=window is not None, return_trajectory=window is not None, cfg_scale=args.scale)
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
@@ -322,7 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--steps", type=int, default=10, help="num_inference_steps")
-    p.add_argument("--scale", type=float, default=4.0, help="CFG scale (Boogu guidance_scale / Qwen true_cfg_scale)")
+    p.add_argument("--scale", type=float, default=4.0, help="CFG scale (the RolloutRequest's cfg_scale: Boogu guidance_scale / Qwen true_cfg_scale)")
     p.add_argument("--noise-level", type=float, default=0.7, help="SDE noise level of the rollout")
     p.add_argument("--repeats", type=int, default=3, help="timed rollouts per mode (median reported)")
     p.add_argument("--velocity-repeats", type=int, default=5, help="timed guided_velocity calls per mode")

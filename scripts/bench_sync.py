@@ -77,7 +77,7 @@ def random_adapter(layout, device: torch.device, seed: int) -> list[torch.Tensor
 
 def small_request() -> rollout.RolloutRequest:
     return rollout.RolloutRequest(prompts=['A sign that reads "OPEN"'], seeds=[7], num_inference_steps=2, height=256,
-                                  width=256, true_cfg_scale=1.0)
+                                  width=256, cfg_scale=1.0)
 
 
 def sync_disk(client, layout, tensors, lora_config, root: str, version: int) -> list[int]:

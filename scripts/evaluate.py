@@ -61,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--output_dir", default=None, help="default: <run_dir>/eval (required without --run_dir)")
     g.add_argument("--save_images", action="store_true",
                    help="also write every sample as images/<k>_<adapter>/<index>.png")
-    # qwen_true_cfg_default is no flag: a trainer's own default for an unset --true_cfg_scale (train_nft.py: 1.0)
-    T.set_defaults_from_run(parser, argv, {d: d for d in (*shown, "qwen_true_cfg_default") if d not in NOT_FROM_RUN})
+    parser.set_defaults(run_cfg_scale=None)  # no flag: the --run_dir run's resolved CFG scale, for unset CFG flags
+    T.set_defaults_from_run(parser, argv, {**{d: d for d in shown if d not in NOT_FROM_RUN}, "run_cfg_scale": "cfg_scale"})
     args = parser.parse_args(argv)
     for spec in args.adapters:
         if spec != "base":
@@ -113,11 +113,12 @@ def main(argv=None) -> None:
     import rewards
     import rollout
     from data_prep.dataset import PromptDataset
-    from models import lora, resolve_model_path
+    from models import lora, model_family, resolve_model_path
 
     info = T.init_distributed(T.resolve_device(args.device))
     rank = info.rank
     model_path = resolve_model_path(args.model_path)
+    scale = T.resolve_cfg_scale(model_family(model_path), args, args.run_cfg_scale)  # explicit flag, else the run's
     scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
     dtype = args.rollout_dtype if info.device.type == "cuda" else "float32"  # as the trainers start their workers
 
@@ -126,7 +127,6 @@ def main(argv=None) -> None:
                                     max_batch_size=args.rollout_max_batch_size, cfg_batch=args.cfg_batch)
 
     engine, signature = new_engine(), None
-    scale = T.guidance_of(engine.model, args)
     dataset = PromptDataset(args.val_files, guidance=scale > 1.0)
     os.makedirs(args.output_dir, exist_ok=True)
     results = []
@@ -134,14 +134,14 @@ def main(argv=None) -> None:
         if spec == "base":
             path, bound = None, 0
             with lora.lora_disabled(engine.model.transformer):
-                outcome = T.run_validation(engine, scorer, dataset, args, family=engine.model.family, scale=scale)
+                outcome = T.run_validation(engine, scorer, dataset, args, cfg_scale=scale)
         else:
             path = T.verify_adapter_spec(spec)[0]  # again where it is read (it may have changed since start-up)
             if signature is not None and lora_signature(path) != signature:
                 engine = new_engine()  # another rank / alpha / target list: start from the base weights again
             bound = engine.load_adapter(path, spec)  # raises unless every tensor binds exactly one LoRA module
             signature = lora_signature(path)
-            outcome = T.run_validation(engine, scorer, dataset, args, family=engine.model.family, scale=scale)
+            outcome = T.run_validation(engine, scorer, dataset, args, cfg_scale=scale)
         if args.save_images:  # each rank writes its own samples
             folder = os.path.join(args.output_dir, "images", adapter_label(k, spec))
             os.makedirs(folder, exist_ok=True)

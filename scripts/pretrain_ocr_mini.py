@@ -1744,7 +1744,7 @@ def native_engine_images(pipeline_dir: str | Path, prompts: Sequence[str], seeds
     engine = rollout.NativeEngine(str(pipeline_dir), device=device, dtype=torch.float32, max_batch_size=8)
     request = rollout.RolloutRequest(prompts=[chat(QWEN_IMAGE_SYSTEM_PROMPT, p) for p in prompts],
                                      seeds=list(seeds), num_inference_steps=steps, height=size, width=size,
-                                     true_cfg_scale=1.0)
+                                     cfg_scale=1.0)
     return engine.generate(request).images
 
 

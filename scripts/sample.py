@@ -40,7 +40,7 @@ RUN_DEFAULTS = {"model_path": "model_path", "height": "height", "width": "width"
                 "true_cfg_scale": "true_cfg_scale", "num_inference_steps": "val_num_inference_steps",
                 "seed": "val_seed", "batch_size": "rollout_max_batch_size", "cfg_batch": "cfg_batch",
                 "dtype": "rollout_dtype",
-                "qwen_true_cfg_default": "qwen_true_cfg_default"}  # no flag: a trainer's unset --true_cfg_scale
+                "run_cfg_scale": "cfg_scale"}  # no flag: the run's resolved CFG scale, for unset CFG flags
 DEFAULT_NEGATIVE = {"boogu_image": "", "qwen_image": " "}  # what the released pipelines / data_prep use
 
 
@@ -59,10 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_per_prompt", type=int, default=1, help="samples per prompt (seeds differ)")
     parser.add_argument("--seed", type=int, default=42, help="base seed of rollout.row_seed(seed, 1, sample index)")
     parser.add_argument("--num_inference_steps", type=int, default=50)
-    parser.add_argument("--guidance_scale", type=float, default=None, help="Boogu-Image CFG (None = 4.0)")
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help="Boogu-Image CFG (None = the --run_dir run's CFG scale, else 4.0)")
     parser.add_argument("--true_cfg_scale", type=float, default=None,
-                        help="Qwen-Image true CFG (None = the --run_dir trainer's default: 1.0 for train_nft.py, "
-                             "else 4.0)")
+                        help="Qwen-Image true CFG (None = the --run_dir run's CFG scale, e.g. 1.0 for a train_nft.py "
+                             "run, else 4.0)")
+    parser.set_defaults(run_cfg_scale=None)  # set by --run_dir (RUN_DEFAULTS)
     parser.add_argument("--height", type=int, default=None, help="default: the edit reference's size, else 512")
     parser.add_argument("--width", type=int, default=None, help="default: the edit reference's size, else 512")
     parser.add_argument("--batch_size", type=int, default=16, help="samples per forward (per process)")
@@ -122,12 +124,12 @@ def main(argv=None) -> None:
     model_path = resolve_model_path(args.model_path)
     family = model_family(model_path)
     rows = prompt_rows(args, family)  # every model-free check first
+    scale = T.resolve_cfg_scale(family, args, args.run_cfg_scale)  # an explicit flag, else the run's, else 4.0
     if len(rows) < world:
         raise ValueError(f"{len(rows)} prompts for {world} processes: launch at most one process per prompt")
     dtype = getattr(torch, args.dtype) if info.device.type == "cuda" else torch.float32
     engine = rollout.NativeEngine(model_path, device=str(info.device), dtype=dtype, max_batch_size=args.batch_size,
                                   cfg_batch=args.cfg_batch)
-    scale = T.guidance_of(engine.model, args)  # with --run_dir of a DiffusionNFT run, its CFG-free default
     if args.parquet and scale > 1.0:
         PromptDataset(args.parquet, guidance=True)  # guided: every row needs a negative prompt (names the row)
     height, width = args.height, args.width
@@ -148,7 +150,7 @@ def main(argv=None) -> None:
     n = args.num_per_prompt
     request = T.rollout_request(mine, n=n, first_row=start * n, seed=args.seed, step=1,
                                 num_inference_steps=args.num_inference_steps, height=height, width=width,
-                                family=family, scale=scale, noise_level=0.0)
+                                cfg_scale=scale, noise_level=0.0)
     os.makedirs(args.output_dir, exist_ok=True)
     from PIL import Image
 

@@ -161,11 +161,10 @@ def test_fail_closed_rules_unchanged(models, name):
 
 def _request(name: str) -> rollout.RolloutRequest:
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
-    knob = {"true_cfg_scale": SCALE} if name == "qwen_image" else {"guidance_scale": SCALE}
     return rollout.RolloutRequest(prompts=prompts, negative_prompts=[NEGATIVES[1], NEGATIVES[0], NEGATIVES[1]],
                                   seeds=[5, 6, 7], num_inference_steps=3, height=SIZE, width=SIZE, noise_level=1.0,
                                   sde_window_size=2, sde_window_range=(0, 3), return_log_probs=True,
-                                  return_trajectory=True, **knob)
+                                  return_trajectory=True, cfg_scale=SCALE)
 
 
 @pytest.mark.parametrize("name", ("qwen_image", "boogu_image_base"))

@@ -82,15 +82,31 @@ def test_prompt_embeds_cat_and_index():
     assert c.index([2, 0]).embeds[1, 0, 0] == 1
 
 
-def test_resolve_guidance_uses_the_family_knob_and_refuses_the_other():
-    boogu, qwen = FlowModel(), FlowModel()
-    boogu.family, qwen.family = "boogu_image", "qwen_image"
-    assert boogu.resolve_guidance(None, None) == 4.0 and boogu.resolve_guidance(2.5, None) == 2.5
-    assert qwen.resolve_guidance(None, None) == 4.0 and qwen.resolve_guidance(None, 1.0) == 1.0
+def test_cfg_scale_uses_the_family_knob_and_refuses_the_other():
+    from models.base import DEFAULT_CFG_SCALE, cfg_scale
+
+    assert DEFAULT_CFG_SCALE == 4.0  # both released pipelines' default
+    assert cfg_scale("boogu_image", None, None) == 4.0 and cfg_scale("boogu_image", 2.5, None) == 2.5
+    assert cfg_scale("qwen_image", None, None) == 4.0 and cfg_scale("qwen_image", None, 1.0) == 1.0
+    assert cfg_scale("qwen_image", None, None, default=1.0) == 1.0  # a trainer's own default for the family
+    assert cfg_scale("qwen_image", None, 3.0, default=1.0) == 3.0  # an explicit knob wins over it
     with pytest.raises(ValueError, match="guided by guidance_scale; true_cfg_scale"):
-        boogu.resolve_guidance(None, 4.0)
+        cfg_scale("boogu_image", None, 4.0)
     with pytest.raises(ValueError, match="guided by true_cfg_scale; guidance_scale"):
-        qwen.resolve_guidance(3.0, None)
+        cfg_scale("qwen_image", 3.0, None)
+    with pytest.raises(ValueError, match="unknown model family"):
+        cfg_scale("flux", None, None)
+
+
+def test_pipeline_cfg_kwargs_name_each_familys_argument():
+    """The one scale reaches each family's pipeline under that pipeline's own name (what diffusers' and vllm-omni's
+    Qwen-Image and Boogu-Image pipelines take)."""
+    from models.base import pipeline_cfg_kwargs
+
+    assert pipeline_cfg_kwargs("qwen_image", 3) == {"true_cfg_scale": 3.0}
+    assert pipeline_cfg_kwargs("boogu_image", 1.0) == {"guidance_scale": 1.0}
+    with pytest.raises(ValueError, match="unknown model family"):
+        pipeline_cfg_kwargs("flux", 4.0)
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "boogu_image_edit"])

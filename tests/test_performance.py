@@ -179,7 +179,7 @@ def test_rollout_returns_the_transition_means_the_replay_computes(tiny_models):
     request = rollout.RolloutRequest(
         prompts=["a sign that says 'open'", "a red kite"] * 2, negative_prompts=[" "] * 4,
         seeds=[rollout.row_seed(7, 1, i) for i in range(4)], num_inference_steps=4, height=32, width=32,
-        true_cfg_scale=3.0, noise_level=1.0, sde_window_size=2, sde_window_range=(0, 3), return_log_probs=True,
+        cfg_scale=3.0, noise_level=1.0, sde_window_size=2, sde_window_range=(0, 3), return_log_probs=True,
         return_trajectory=True)
     result = engine.generate(request)
     assert result.all_means.dtype == torch.float32 and result.all_means.shape == result.all_latents[:, 1:].shape
@@ -264,6 +264,34 @@ def test_transformer_flops_mfu_and_device_counts(monkeypatch):
     assert T.rollout_device_count("colocated") == 1 and T.rollout_device_count("cuda:2,cuda:3") == 2
 
 
+def test_each_trainers_perf_call_counts_its_forwards(monkeypatch):
+    """The one perf call of each trainer, against hand-counted phase FLOPs: 2 local rows of 1 TFLOP per (conditional)
+    forward, so a guided call is 2; 10 rollout steps on 2 rollout devices; NFT K=3 timesteps x (policy fwd+bwd 3 +
+    old 1 + reference 1) x 2 epochs at its training CFG; DPPO W=2 stored steps: one replay each, then fwd+bwd x 2."""
+    from models.base import Conditioning, PromptEmbeds
+
+    model = SimpleNamespace(forward_flops=lambda n_img, text, refs: 1e12)
+    cond = Conditioning(PromptEmbeds(torch.zeros(2, 5, 3), torch.ones(2, 5)),
+                        PromptEmbeds(torch.zeros(2, 2, 3), torch.ones(2, 2)), None)
+    args = SimpleNamespace(height=64, width=64, num_inference_steps=10, rollout_devices="cuda:2,cuda:3",
+                           ppo_epochs=2, ref_kl_coef=0.1)
+    run = SimpleNamespace(model=model, args=args, cfg_scale=4.0, device="cpu")
+    monkeypatch.setenv(T.PEAK_TFLOPS_ENV, "1")
+    timings = {"timing_s/gen": 10.0, "timing_s/old_log_prob": 1.0, "timing_s/update_actor": 6.0}
+    nft = T.nft_perf_metrics(run, cond, timings, num_k=3, train_scale=1.0)
+    assert nft["perf/tflop/gen"] == 2 * 10 and nft["perf/mfu/gen"] == pytest.approx(20 / (10 * 2))
+    assert nft["perf/tflop/update_actor"] == 1 * 3 * (3 + 1 + 1) * 2  # CFG-free training forwards: 1 per call
+    assert "perf/tflop/old_log_prob" not in nft
+    args.ref_kl_coef = 0.0
+    assert T.nft_perf_metrics(run, cond, timings, num_k=3, train_scale=4.0)["perf/tflop/update_actor"] == \
+        2 * 3 * (3 + 1) * 2  # guided training forwards, no reference
+    dppo = T.dppo_perf_metrics(run, cond, timings, num_w=2)
+    assert dppo["perf/tflop/gen"] == 20 and dppo["perf/tflop/old_log_prob"] == 2 * 2
+    assert dppo["perf/tflop/update_actor"] == 2 * 2 * 3 * 2 and dppo["perf/mfu/update_actor"] == pytest.approx(4.0)
+    run.cfg_scale = 1.0  # an unguided run: one forward per call everywhere
+    assert T.dppo_perf_metrics(run, cond, timings, num_w=2)["perf/tflop/gen"] == 10
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # DiffusionNFT: CFG of the training forwards, verl-omni's Qwen default; DPPO bypass flag
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,19 +300,20 @@ def test_transformer_flops_mfu_and_device_counts(monkeypatch):
 def test_nft_training_cfg_flag_and_qwen_default():
     import train_dppo
     import train_nft
-    from models.base import FlowModel
 
     base = ["--model_path", "m", "--train_files", "t.parquet"]
-    qwen, boogu = FlowModel(), FlowModel()
-    qwen.family, boogu.family = "qwen_image", "boogu_image"
-    nft = train_nft.parse_args(base)
+    nft, defaults = train_nft.parse_args(base), train_nft.CFG_SCALE_DEFAULTS
     assert nft.train_cfg == "rollout"  # default: today's behaviour (training forwards guided like the rollout)
     assert train_nft.parse_args(base + ["--train_cfg", "off"]).train_cfg == "off"
-    assert T.guidance_of(qwen, nft) == 1.0  # verl-omni's Qwen-Image NFT recipe: true_cfg_scale = 1.0
-    assert T.guidance_of(boogu, nft) == 4.0  # Boogu keeps its released guidance_scale
-    assert T.guidance_of(qwen, train_nft.parse_args(base + ["--true_cfg_scale", "3"])) == 3.0
+    assert not hasattr(nft, "cfg_scale")  # resolved once, by setup_run (preflight), never at parse time
+    nft_scale = lambda family, args: T.resolve_cfg_scale(family, args, defaults.get(family))  # noqa: E731
+    assert nft_scale("qwen_image", nft) == 1.0  # verl-omni's Qwen-Image NFT recipe: true_cfg_scale = 1.0
+    assert nft_scale("boogu_image", nft) == 4.0  # Boogu keeps its released guidance_scale
+    assert nft_scale("qwen_image", train_nft.parse_args(base + ["--true_cfg_scale", "3"])) == 3.0
     dppo = train_dppo.parse_args(base)
-    assert T.guidance_of(qwen, dppo) == 4.0 and dppo.old_log_probs == "recompute"
+    assert T.resolve_cfg_scale("qwen_image", dppo) == 4.0 and dppo.old_log_probs == "recompute"
+    with pytest.raises(ValueError, match="guided by true_cfg_scale"):  # the other family's flag is refused
+        T.resolve_cfg_scale("qwen_image", train_dppo.parse_args(base + ["--guidance_scale", "3"]))
     with pytest.raises(SystemExit):
         train_nft.parse_args(base + ["--train_cfg", "half"])
 

@@ -263,7 +263,7 @@ def test_validation_never_scores_non_finite_samples_and_counts_them(demo_data): 
 
     args = argparse.Namespace(val_max_samples=4, val_seed=42, val_num_inference_steps=2, height=64, width=64,
                               num_val_images=0)
-    outcome = T.run_validation(Client(), Scorer(), dataset, args, family="qwen_image", scale=1.0)
+    outcome = T.run_validation(Client(), Scorer(), dataset, args, cfg_scale=1.0)
     assert seen == [dataset[i].ground_truth for i in (0, 2, 3)]  # sample 1 never reached the reward
     assert outcome.samples[1]["nonfinite"] is True and outcome.samples[1]["reward"] != outcome.samples[1]["reward"]
     assert outcome.metrics["val-aux/nonfinite_samples"] == 1.0

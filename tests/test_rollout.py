@@ -30,9 +30,9 @@ def request_for(family: str, n_per_prompt: int = 2, **overrides) -> RolloutReque
                 num_inference_steps=4, height=SIZE, width=SIZE, noise_level=1.0, sde_window_size=2,
                 sde_window_range=(0, 3), return_log_probs=True, return_trajectory=True)
     if family == "qwen_image":
-        base.update(negative_prompts=[" "] * len(prompts), true_cfg_scale=4.0)
+        base.update(negative_prompts=[" "] * len(prompts), cfg_scale=4.0)
     else:
-        base.update(negative_prompts=[""] * len(prompts), guidance_scale=4.0)
+        base.update(negative_prompts=[""] * len(prompts), cfg_scale=4.0)
     base.update(overrides)
     return RolloutRequest(**base)
 
@@ -42,7 +42,7 @@ def edit_request(**overrides) -> RolloutRequest:
     images = [torch.randint(0, 256, (3, SIZE, SIZE), generator=g, dtype=torch.uint8) for _ in range(2)]
     base = dict(prompts=['Change the text to "SALE"'] * 2 + ['Change the text to "CLOSED"'] * 2,
                 images=[images[0], images[0], images[1], images[1]], negative_prompts=[""] * 4,
-                seeds=[11, 12, 13, 14], num_inference_steps=4, height=SIZE, width=SIZE, guidance_scale=4.0,
+                seeds=[11, 12, 13, 14], num_inference_steps=4, height=SIZE, width=SIZE, cfg_scale=4.0,
                 noise_level=1.0, sde_window_size=2, sde_window_range=(0, 3), return_log_probs=True,
                 return_trajectory=True)
     base.update(overrides)
@@ -86,8 +86,15 @@ def test_sde_window_starts():
 
 
 def test_request_rejects_unknown_keys_and_bad_values():
-    good = dict(prompts=["a"], seeds=[1], num_inference_steps=2, height=64, width=64)
+    good = dict(prompts=["a"], seeds=[1], num_inference_steps=2, height=64, width=64, cfg_scale=1.0)
     assert len(RolloutRequest.from_dict(good)) == 1
+    with pytest.raises(ValueError, match=r"missing rollout request keys \['cfg_scale'\]"):
+        RolloutRequest.from_dict({k: v for k, v in good.items() if k != "cfg_scale"})
+    for bad in (float("nan"), "4", None, True):
+        with pytest.raises(ValueError, match="cfg_scale must be a finite number"):
+            RolloutRequest.from_dict(dict(good, cfg_scale=bad))
+    with pytest.raises(ValueError, match="cfg_scale 4.0 > 1 needs negative prompts"):
+        RolloutRequest.from_dict(dict(good, cfg_scale=4.0))
     with pytest.raises(ValueError, match="unknown rollout request keys.*guidance"):
         RolloutRequest.from_dict(dict(good, guidance=3.0))
     with pytest.raises(ValueError, match="seeds has 2"):
@@ -180,8 +187,9 @@ def test_ode_rollout_and_guidance_rules(groups):
     assert ode.all_latents is None and ode.all_log_probs is None and ode.window_starts is None
     with pytest.raises(RolloutError, match="negative prompts"):
         groups["boogu_image_base"].generate(request_for("boogu_image_base", negative_prompts=None))
-    with pytest.raises(RolloutError, match="true_cfg_scale"):
-        groups["boogu_image_base"].generate(request_for("boogu_image_base", true_cfg_scale=4.0))
+    # the contract has one CFG scale: a message with a per-family knob of the old contract is refused, not ignored
+    with pytest.raises(ValueError, match=r"unknown rollout request keys \['true_cfg_scale'\]"):
+        RolloutRequest.from_dict({**request_for("boogu_image_base").to_dict(), "true_cfg_scale": 4.0})
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ PROMPTS = ['A storefront sign that reads "OPEN"', 'A chalkboard menu that says "
 
 def ode_request(step: int = 1, n_per_prompt: int = 2) -> RolloutRequest:
     prompts = [p for p in PROMPTS for _ in range(n_per_prompt)]
-    return RolloutRequest(prompts=prompts, negative_prompts=[" "] * len(prompts), true_cfg_scale=4.0,
+    return RolloutRequest(prompts=prompts, negative_prompts=[" "] * len(prompts), cfg_scale=4.0,
                           seeds=[rollout.row_seed(3, step, i) for i in range(len(prompts))], num_inference_steps=3,
                           height=SIZE, width=SIZE)
 

@@ -23,8 +23,8 @@ torch.set_num_threads(1)
 
 def _request(**kw) -> RolloutRequest:
     base = dict(prompts=["a", "b"], seeds=[5, 6], num_inference_steps=4, height=32, width=48,
-                negative_prompts=["", "ugly"], noise_level=0.5, sde_window_size=2, sde_window_range=(0, 3),
-                return_log_probs=True, return_trajectory=True)
+                negative_prompts=["", "ugly"], cfg_scale=4.0, noise_level=0.5, sde_window_size=2,
+                sde_window_range=(0, 3), return_log_probs=True, return_trajectory=True)
     base.update(kw)
     return RolloutRequest(**base)
 
@@ -42,7 +42,7 @@ def test_cfg_batch_is_refused_by_the_vllm_omni_engine(tmp_path):
 
 
 def test_sampling_kwargs_per_sample():
-    request = _request(true_cfg_scale=2.5)
+    request = _request(cfg_scale=2.5)
     kws = [vllm_omni.vllm_omni_sampling_kwargs("qwen_image", request, b) for b in range(2)]
     assert [k["seed"] for k in kws] == [5, 6]
     for k in kws:
@@ -53,13 +53,14 @@ def test_sampling_kwargs_per_sample():
                                    "rl_return_trajectory": True}
         assert set(k["extra_args"]) == set(sampler.VLLM_OMNI_RL_KEYS)
     boogu = vllm_omni.vllm_omni_sampling_kwargs("boogu_image", _request(), 0)
-    assert boogu["guidance_scale"] == 4.0 and "true_cfg_scale" not in boogu  # explicit released default
-    with pytest.raises(ValueError, match="needs negative prompts"):
-        vllm_omni.vllm_omni_sampling_kwargs("boogu_image", _request(negative_prompts=None), 0)
-    assert vllm_omni.vllm_omni_sampling_kwargs("boogu_image", _request(negative_prompts=None, guidance_scale=1.0),
-                                               0)["guidance_scale"] == 1.0
-    with pytest.raises(ValueError, match="true_cfg_scale"):
-        vllm_omni.vllm_omni_sampling_kwargs("boogu_image", _request(true_cfg_scale=3.0), 0)
+    assert boogu["guidance_scale"] == 4.0 and "true_cfg_scale" not in boogu  # always explicit
+    with pytest.raises(ValueError, match="needs negative prompts"):  # the engine validates every request first
+        _request(negative_prompts=None).validate()
+    unguided = _request(negative_prompts=None, cfg_scale=1.0)
+    unguided.validate()
+    assert vllm_omni.vllm_omni_sampling_kwargs("boogu_image", unguided, 0)["guidance_scale"] == 1.0
+    with pytest.raises(ValueError, match="unknown model family"):
+        vllm_omni.vllm_omni_sampling_kwargs("flux", request, 0)
 
 
 def test_prompt_dicts_and_message_lists():
@@ -103,7 +104,7 @@ def _part(b: int, length: int, window_start: int) -> dict:
 
 
 def test_assemble_result_pads_embeddings_and_checks_fields():
-    request = _request(true_cfg_scale=4.0)
+    request = _request(cfg_scale=4.0)
     parts = [_part(0, 4, 1), _part(1, 6, 0)]
     result = vllm_omni.assemble_vllm_omni_result(parts, request, family="qwen_image", adapter_version="v3",
                                                  bound_modules=12)

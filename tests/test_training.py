@@ -330,6 +330,15 @@ def test_sampler_deterministic_epochs_and_shards():
         assert all(len(bt.local) == 2 for bt in batches)
 
 
+def test_mini_and_micro_batches_cover_each_epoch_in_order():
+    as_lists = lambda batches: [[mb.tolist() for mb in mini] for mini in batches]  # noqa: E731
+    assert as_lists(T.mini_batches(8, 4, 2, epochs=2)) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] * 2
+    assert as_lists(T.mini_batches(6, 6, 4)) == [[[0, 1, 2, 3], [4, 5]]]  # a short last micro-batch
+    assert as_lists(T.mini_batches(5, 4, 4)) == [[[0, 1, 2, 3]], [[4]]]  # a short last mini-batch
+    assert [mb.tolist() for mb in T.micro_batches(2, 7, 2)] == [[2, 3], [4, 5], [6]]
+    assert T.micro_batches(0, 4, 4)[0].dtype == torch.long
+
+
 def test_sampler_resume_and_refusals():
     s = T.PromptSampler(9, 3, seed=11)
     for _ in range(4):

@@ -72,7 +72,7 @@ def request_for(family: str) -> RolloutRequest:
     g = torch.Generator().manual_seed(0)
     image = Image.fromarray(torch.randint(0, 256, (SIZE, SIZE, 3), generator=g, dtype=torch.uint8).numpy())
     return RolloutRequest(prompts=['Change the text to "SALE"'] * 2, images=[image] * 2, negative_prompts=[""] * 2,
-                          guidance_scale=4.0, **base)
+                          cfg_scale=4.0, **base)
 
 
 def _vllm_omni_attempt(model_path: str, python: str) -> Exception | None:

@@ -83,7 +83,7 @@ def _engine_stub(family: str, lora_request=None) -> VllmOmniEngine:
 
 def _sde_request(**kw) -> RolloutRequest:
     base = dict(prompts=["a red sign", "OPEN 24 HOURS", "a red sign"], seeds=[11, 12, 13], num_inference_steps=4,
-                height=32, width=32, negative_prompts=["", "blurry", ""], noise_level=0.7,
+                height=32, width=32, negative_prompts=["", "blurry", ""], cfg_scale=4.0, noise_level=0.7,
                 sde_window_size=2, sde_window_range=(0, 3), return_log_probs=True, return_trajectory=True)
     base.update(kw)
     return RolloutRequest(**base)
@@ -97,7 +97,7 @@ def _sde_request(**kw) -> RolloutRequest:
 def test_request_building_per_sample(tmp_path):
     lora_req = LoRARequest("v3#4", 4, str(tmp_path))
     engine = _engine_stub("qwen_image", lora_req)
-    request = _sde_request(true_cfg_scale=3.0, generator_device="cpu")
+    request = _sde_request(cfg_scale=3.0, generator_device="cpu")
     pairs = engine.build_requests(request)
     assert len(pairs) == 3
     for b, (prompt, sp) in enumerate(pairs):
@@ -123,17 +123,15 @@ def test_request_building_per_sample(tmp_path):
 
 def test_request_building_boogu_guidance_and_errors():
     engine = _engine_stub("boogu_image")
-    (prompt, sp), *_ = engine.build_requests(_sde_request(guidance_scale=5.0))
+    (prompt, sp), *_ = engine.build_requests(_sde_request(cfg_scale=5.0))
     OmniDiffusionRequest(prompt=prompt, sampling_params=sp, request_id="r")
     assert sp.guidance_scale == 5.0 and sp.guidance_scale_provided and sp.true_cfg_scale is None
     (_, sp_default), *_ = engine.build_requests(_sde_request())
     assert sp_default.guidance_scale == 4.0  # explicit: vllm-omni's own defaulting would make it 1.0
-    with pytest.raises(ValueError, match="guidance_scale, not true_cfg_scale"):
-        engine.build_requests(_sde_request(true_cfg_scale=4.0))
     with pytest.raises(ValueError, match="needs negative prompts"):
         engine.build_requests(_sde_request(negative_prompts=None))
-    with pytest.raises(ValueError, match="true_cfg_scale; guidance_scale"):
-        _engine_stub("qwen_image").build_requests(_sde_request(guidance_scale=4.0))
+    (_, sp_qwen), *_ = _engine_stub("qwen_image").build_requests(_sde_request(cfg_scale=5.0))
+    assert sp_qwen.true_cfg_scale == 5.0 and sp_qwen.guidance_scale is None  # the same scale, Qwen's argument
 
 
 def test_rl_settings_must_agree_across_a_batch():
@@ -169,8 +167,7 @@ def test_rl_denoise_reproduces_native_engine(tiny_models, name):
     path = os.path.join(tiny_models, name)
     engine = NativeEngine(path)
     model = engine.model
-    knob = {"true_cfg_scale": 3.0} if name == "qwen_image" else {"guidance_scale": 3.0}
-    request = _sde_request(**knob)
+    request = _sde_request(cfg_scale=3.0)
     native = engine.generate(request)
 
     gens = [torch.Generator("cpu").manual_seed(s) for s in request.seeds]
@@ -279,7 +276,7 @@ def test_qwen_rl_pipeline_forward_matches_native_engine(tiny_models):
     and output formatter, parsed by the engine: equals NativeEngine.generate on the same request."""
     path = os.path.join(tiny_models, "qwen_image")
     native_engine = NativeEngine(path)
-    request = _sde_request(true_cfg_scale=3.0)
+    request = _sde_request(cfg_scale=3.0)
     native = native_engine.generate(request)
 
     pipe = _qwen_pipeline(native_engine.model)
@@ -310,7 +307,7 @@ def test_qwen_rl_pipeline_dummy_run_and_batch_independence(tiny_models):
     path = os.path.join(tiny_models, "qwen_image")
     model = load_model(path)
     pipe = _qwen_pipeline(model)
-    request = _sde_request(true_cfg_scale=3.0)
+    request = _sde_request(cfg_scale=3.0)
     full = pipe.forward(_batch(_engine_stub("qwen_image"), request))
     single = pipe.forward(_batch(_engine_stub("qwen_image"), request.select([1])))
     torch.testing.assert_close(single[0].trajectory_latents["latents_clean"],
@@ -521,7 +518,7 @@ def test_trainer_adapter_binds_in_lora_manager_with_new_ids(tiny_models, vllm_cp
     assert engine.load_adapter(str(tmp_path / "v2"), "v2") == n
     assert engine._lora_request.lora_int_id == 2 and ("remove_lora", 1) in omni.calls
     (_, sp), = engine.build_requests(RolloutRequest(prompts=["x"], seeds=[1], num_inference_steps=2, height=32,
-                                                    width=32, guidance_scale=1.0))
+                                                    width=32, cfg_scale=1.0))
     assert sp.lora_request.lora_int_id == 2 and sp.lora_request.lora_path.endswith("v2")
 
 
@@ -575,7 +572,7 @@ def test_boogu_rl_pipeline_forward_matches_native_engine(tiny_models, monkeypatc
     NativeEngine.generate (T2I with text CFG and an SDE window)."""
     path = os.path.join(tiny_models, "boogu_image_base")
     native_engine = NativeEngine(path)
-    request = _sde_request(guidance_scale=3.0)
+    request = _sde_request(cfg_scale=3.0)
     native = native_engine.generate(request)
 
     pipe = _boogu_pipeline(native_engine.model, monkeypatch)
@@ -605,7 +602,7 @@ def test_boogu_edit_rl_pipeline_forward_matches_native_engine(tiny_models, monke
     native_engine = NativeEngine(path)
     g = torch.Generator().manual_seed(7)
     image = torch.randint(0, 255, (3, 32, 32), dtype=torch.uint8, generator=g)
-    request = _sde_request(guidance_scale=3.0, prompts=["make it red"], seeds=[21], negative_prompts=[""],
+    request = _sde_request(cfg_scale=3.0, prompts=["make it red"], seeds=[21], negative_prompts=[""],
                            images=[image])
     native = native_engine.generate(request)
 
@@ -650,7 +647,7 @@ def test_engine_generate_end_to_end_with_in_process_pipeline(tiny_models):
     generate replaced by the in-process pipeline + formatter: equals NativeEngine.generate."""
     path = os.path.join(tiny_models, "qwen_image")
     native_engine = NativeEngine(path)
-    request = _sde_request(true_cfg_scale=3.0)
+    request = _sde_request(cfg_scale=3.0)
     native = native_engine.generate(request)
     od_config = SimpleNamespace(model=path, model_class_name="QwenImagePipeline")
     omni = _FakeGeneratingOmni(_qwen_pipeline(native_engine.model), od_config,

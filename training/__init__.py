@@ -12,25 +12,34 @@ One module per section, read in this order (`import training as T` gives every p
    non-finite loss, grad norm or updated parameter skips the step on every rank (undone, counted, logged); the
    DiffusionNFT `old` adapter copy / EMA refresh.
 4. `data.py`: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per
-   rank.
+   rank; `mini_batches` / `micro_batches`, the update's schedule over a step's samples.
 5. `checkpoint.py`: atomic save (temp dir, sha256 manifest written last, rename), `find_latest`, exact
    `load_checkpoint` (weights_only) that refuses a partial or corrupt checkpoint; the resume policy (which flags may
    change, content fingerprints) and `prepare_resume` (model-free: orphans, --resume never, integrity); the layout.
 6. `logs.py`: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
    `critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata.
-7. `step.py`: the parts of an online RL step both trainers share: flags, rollout requests, rewards, global
-   advantages, validation, the adapter sync to the rollout workers (with its bound-module check).
-8. `preflight.py`: every start-up check that needs no model (flags, image size, every dataset row against the
+7. `perf.py`: images/s per GPU, model FLOPs and MFU per phase, peak memory; `nft_perf_metrics` /
+   `dppo_perf_metrics`, the one call each trainer makes.
+8. `flags.py`: the flags both trainers take and their model-free checks (batch sizes, --rollout_policy_lag), and
+   the one resolution of the run's CFG scale.
+9. `scoring.py`: a rollout's rewards (never of a non-finite sample; `RewardStream` scores chunks while the rollout
+   still samples), the judge's reply log, the group advantages over the global batch.
+10. `rollouts.py`: one training rollout: the request (n samples per prompt, seeded per global row), its
+   submission and collection with the checks of every step (non-finite samples, an empty judge).
+11. `adapters.py`: the rollout policy's sync to the workers (PEFT folder or tensors, the bound-module check),
+   adapter folders a flag names (`PATH` or `CHECKPOINT:default|old`), --init_adapter.
+12. `validation.py`: ODE validation on the test split, one code path for training and scripts/evaluate.py.
+13. `preflight.py`: every start-up check that needs no model (flags, image size, every dataset row against the
    rewards, output folder, one judge request), run by `setup_run` before anything loads.
-9. `profiling.py`: `step_profiler` (a torch.profiler trace of one step, gzipped) and `profile_table`, the pure
+14. `profiling.py`: `step_profiler` (a torch.profiler trace of one step, gzipped) and `profile_table`, the pure
    per-phase table of device busy / idle time, host reads and top kernels read from such a trace.
-10. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
+15. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
    the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, so each
    trainer file holds only its algorithm.
-11. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you
+16. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you
    mean" for a misspelt flag), the traceback goes to `<output_dir>/train.log`.
-12. `lifecycle.py`: one live run per --output_dir (an advisory lock file), the parent watchdog of the ranks (no
+17. `lifecycle.py`: one live run per --output_dir (an advisory lock file), the parent watchdog of the ranks (no
    orphans when the torchrun agent dies), heartbeats that name a frozen rank.
 """
 
@@ -45,12 +54,12 @@ from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_r
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter, transformer_blocks,
                     apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
                     base_weight_dtype, cast_frozen_base_, shard_transformer, prepare_transformer, adapter_state_dict,
-                    load_adapter_state_, save_adapter_dir, adapter_config_dict, _full)
+                    load_adapter_state_, save_adapter_dir, adapter_config_dict, load_flow_model, _full)
 # 3. AdamW, lr schedules, the checked optimizer step, the `old` adapter refresh
 from .optim import (build_optimizer, LR_SCHEDULES, lr_multiplier, build_lr_scheduler, lr_scheduler_state,
                     load_lr_scheduler_state_, GradStepper, ema_adapter_, old_policy_refresh)
-# 4. the resumable prompt sampler
-from .data import SamplerBatch, PromptSampler
+# 4. the resumable prompt sampler, the update's mini- and micro-batches
+from .data import SamplerBatch, PromptSampler, micro_batches, mini_batches
 # 5. atomic checkpoints, resume policy and integrity
 from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapter, adapter_checkpoint, MARKER,
                          CHECKPOINT_FORMAT, RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, RESUME_MUTABLE_KEYS,
@@ -59,36 +68,45 @@ from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapte
                          gather_checkpoint, write_checkpoint, save_gathered, find_latest, verify_checkpoint,
                          clean_orphans, check_resume_config, ResumePlan, prepare_resume, load_checkpoint)
 # 6. TensorBoard, metric reduction, image grids, timers, run metadata, the console log
-from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, perf_metrics, timer,
-                   image_grid, sample_caption, rollout_grid, prompt_text, all_gather_objects, gather_first_images,
-                   Progress, git_commit, write_run_metadata, read_run_config, set_defaults_from_run, tee_console,
-                   log_only, log_time, run_summary, LOG_FILE, HelpFormatter, PEAK_TFLOPS_ENV, device_peak_flops,
-                   rollout_device_count, transformer_flops, phase_perf_metrics)
-# 7. flags, rollout requests, rewards, advantages, validation, adapter sync
-from .step import (add_common_args, resolve_device, guidance_of, guidance_for, rollout_request, score_samples,
-                   global_advantages, sync_rollout_adapter, parse_lora_init, load_flow_model, check_batch_sizes,
-                   resolve_adapter_dir, adapter_arg, verify_adapter_spec, init_adapter_mismatch, load_init_adapter,
-                   ValidationOutcome, run_validation, validate, prune_rollout_adapters, clean_rollout_adapters,
-                   score_inputs, RewardStream, rollout_and_score, submit_rollout, peek_batch, lag_next_rollout,
-                   check_rollout_lag, publish_adapter_tensors, publish_tensors, JUDGE_LOG, judge_records,
-                   log_judge_replies, nonfinite_rows, score_finite, JudgeRepliesEmpty, empty_reply_counts)
-# 8. model-free start-up checks
+from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, timer, image_grid,
+                   sample_caption, rollout_grid, prompt_text, all_gather_objects, gather_first_images, Progress,
+                   git_commit, write_run_metadata, read_run_config, set_defaults_from_run, tee_console, log_only,
+                   log_time, run_summary, LOG_FILE, HelpFormatter)
+# 7. throughput, MFU per phase, peak memory: one call per trainer step
+from .perf import (perf_metrics, PEAK_TFLOPS_ENV, device_peak_flops, rollout_device_count, transformer_flops,
+                   phase_perf_metrics, nft_perf_metrics, dppo_perf_metrics)
+# 8. the shared flags and their model-free checks, the run's CFG scale
+from .flags import (add_common_args, resolve_device, resolve_cfg_scale, check_batch_sizes, parse_lora_init,
+                    check_rollout_lag)
+# 9. rewards of a rollout (scored while it samples), the judge's reply log, global advantages
+from .scoring import (score_inputs, score_samples, nonfinite_rows, score_finite, RewardStream, JUDGE_LOG,
+                      JudgeRepliesEmpty, empty_reply_counts, judge_records, log_judge_replies, append_judge_log,
+                      global_advantages)
+# 10. one training rollout: request, submission, collection with its checks, the lagged look-ahead
+from .rollouts import rollout_request, submit_rollout, rollout_and_score, log_rollout_images, peek_batch, lag_next_rollout
+# 11. the rollout policy's sync to the workers, adapter folders, --init_adapter
+from .adapters import (sync_rollout_adapter, prune_rollout_adapters, clean_rollout_adapters, publish_adapter_tensors,
+                       publish_tensors, resolve_adapter_dir, verify_adapter_spec, adapter_arg, init_adapter_mismatch,
+                       load_init_adapter)
+# 12. validation: in training and in scripts/evaluate.py
+from .validation import ValidationOutcome, run_validation, validate
+# 13. model-free start-up checks
 from .preflight import (PreflightError, run_preflight, check_flags, check_datasets, check_rewards, check_output_dir,
                         probe_judge, rewards_used, check_reward_signs, check_rollout_devices, check_init_adapter,
                         truncated_prompts)
-# 9. torch.profiler trace of one step and its per-phase table
+# 14. torch.profiler trace of one step and its per-phase table
 from .profiling import (step_profiler, export_trace, load_trace, PhaseRow, KernelRow, ProfileTable, profile_table,
                         format_profile_table, PHASE_PREFIX)
-# 10. setup_run / Run: the setup and the tail of every step
+# 15. setup_run / Run: the setup and the tail of every step
 from .run import Run, setup_run, StopSignals, TrainingDiverged, prepare_output_dir, FATAL_SAVE_EXCLUDED
-# 11. the trainers' command line
+# 16. the trainers' command line
 from .cli import ArgumentParser, run_cli, suggest_flags, one_line_error
-# 12. run lock, parent watchdog, heartbeats
+# 17. run lock, parent watchdog, heartbeats
 from .lifecycle import (RUN_LOCK, RunLockError, RunLock, pid_alive, describe_holder, watch_parent, silent_ranks,
                         describe_silent, start_heartbeats, install_collective_explainer, collective_explanation,
                         HEARTBEAT_STALE_S)
 
 # every public name above, module by module (each module's own __all__)
-__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, step, preflight,  # noqa: F821
-                               profiling, run, cli, lifecycle)
+__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, perf, flags,  # noqa: F821
+                               scoring, rollouts, adapters, validation, preflight, profiling, run, cli, lifecycle)
            for name in module.__all__]

@@ -89,6 +89,7 @@ RESUME_BLOCKING: frozenset[str] = frozenset({
     "seed", "train_batch_size", "rollout_n", "ppo_mini_batch_size", "ppo_epochs",
     # rollout sampling
     "rollout_engine", "rollout_dtype", "height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale",
+    "cfg_scale",
     # rewards
     "ocr_backend", "genrm_model", "genrm_temperature", "genrm_top_p", "genrm_max_tokens", "genrm_seed",
     "rapidocr_det_limit_side_len", "reward_weights",
@@ -100,7 +101,7 @@ RESUME_BLOCKING: frozenset[str] = frozenset({
     "loss", "noise_level", "sde_type", "sde_window_size", "sde_window_range", "kl_mask_threshold",
     "add_kl_coefficient", "clip_ratio",
     # lr schedule; what the training forwards and the old log-probs are (they change the update)
-    "lr_scheduler", "lr_warmup_steps", "min_lr_ratio", "train_cfg", "old_log_probs", "qwen_true_cfg_default",
+    "lr_scheduler", "lr_warmup_steps", "min_lr_ratio", "train_cfg", "old_log_probs",
     "rollout_policy_lag",
 })
 RESUME_LOGGED: frozenset[str] = frozenset({

@@ -1,12 +1,14 @@
-"""Data: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per rank."""
+"""Data: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per rank, and
+the update's schedule over a step's samples (`mini_batches` of `micro_batches`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 import numpy as np
+import torch
 
-__all__ = ["SamplerBatch", "PromptSampler"]
+__all__ = ["SamplerBatch", "PromptSampler", "micro_batches", "mini_batches"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +84,18 @@ class PromptSampler:
                     f"resume with the same data and flags"
                 )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+
+
+def micro_batches(start: int, stop: int, size: int, device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """The samples [start, stop) in order, as micro-batches of `size` row indices (each a (size,) long tensor on
+    `device`; the last one shorter when `size` does not divide stop - start)."""
+    return [torch.arange(i, min(i + size, stop), device=device) for i in range(start, stop, size)]
+
+
+def mini_batches(n: int, mini: int, micro: int, *, epochs: int = 1,
+                 device: torch.device | str | None = None) -> Iterator[list[torch.Tensor]]:
+    """The update's schedule over one step's `n` local samples (rollout order): `epochs` passes, each cut into
+    mini-batches of `mini` samples (one optimizer step each), each yielded as its `micro_batches` of `micro` rows."""
+    for _ in range(epochs):
+        for start in range(0, n, mini):
+            yield micro_batches(start, min(start + mini, n), micro, device)

@@ -28,11 +28,10 @@ from .distributed import get_rank, get_world_size, is_main_process, launch_rank
 from .checkpoint import library_versions
 
 __all__ = [
-    "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "perf_metrics", "timer",
-    "image_grid", "sample_caption", "rollout_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress", "git_commit",
-    "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "log_only", "log_time",
-    "run_summary", "LOG_FILE", "HelpFormatter", "PEAK_TFLOPS_ENV", "device_peak_flops", "rollout_device_count",
-    "transformer_flops", "phase_perf_metrics"
+    "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "timer", "image_grid",
+    "sample_caption", "rollout_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress",
+    "git_commit", "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "log_only",
+    "log_time", "run_summary", "LOG_FILE", "HelpFormatter",
 ]
 
 
@@ -196,12 +195,6 @@ def validation_metrics(
             if n_per > 1:
                 out[f"val-aux/{ds}/{var}/std@{n_per}"] = float(np.mean([v.std() for v in per_uid]))
     return out
-
-
-def perf_metrics(num_images: int, step_time_s: float, num_gpus: int) -> dict[str, float]:
-    """`perf/total_num_images`, `perf/time_per_step`, `perf/throughput` (images / (t_step * n_gpus))."""
-    return {"perf/total_num_images": float(num_images), "perf/time_per_step": float(step_time_s),
-            "perf/throughput": float(num_images) / (max(step_time_s, 1e-9) * max(num_gpus, 1))}
 
 
 @contextlib.contextmanager
@@ -493,91 +486,3 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
             action = copy.copy(action)
             action.help = "default: %(default)s"
         return super()._format_action(action)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model FLOP utilisation (MFU) per phase and peak memory
-# ---------------------------------------------------------------------------------------------------------------
-
-PEAK_TFLOPS_ENV = "FLOWRL_PEAK_TFLOPS"
-# dense bf16 peaks (TFLOP/s) by device name; the H200 value is verl-omni's VERL_OMNI_DEVICE_FLOPS_TFLOPS=989
-_PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0),
-                ("A800", 312.0), ("L40S", 362.0))
-
-
-def device_peak_flops(device: torch.device | str) -> float | None:
-    """The device's dense bf16 peak in FLOP/s: $FLOWRL_PEAK_TFLOPS (TFLOP/s) when set, else by CUDA device name
-    (H200/H100/H800 989, A100/A800 312, ...); None when unknown (CPU, an unlisted GPU): MFU is then not logged."""
-    env = os.environ.get(PEAK_TFLOPS_ENV)
-    if env:
-        try:
-            value = float(env)
-        except ValueError:
-            raise ValueError(f"${PEAK_TFLOPS_ENV}={env!r} is not a number (TFLOP/s, e.g. 989 for an H200)") from None
-        if value <= 0:
-            raise ValueError(f"${PEAK_TFLOPS_ENV} must be > 0, got {value}")
-        return value * 1e12
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device).upper()
-    return next((tflops * 1e12 for key, tflops in _PEAK_TFLOPS if key in name), None)
-
-
-def rollout_device_count(rollout_devices: str) -> int:
-    """Devices the rollout workers of the whole job run on: `--rollout_devices colocated` = the trainer GPUs
-    (world size), else the per-node list times the number of nodes (WORLD_SIZE / LOCAL_WORLD_SIZE)."""
-    world = get_world_size()
-    if rollout_devices.strip() == "colocated":
-        return world
-    per_node = len([d for d in rollout_devices.split(",") if d.strip()])
-    nodes = max(world // int(os.environ.get("LOCAL_WORLD_SIZE", world) or world), 1)
-    return per_node * nodes
-
-
-def transformer_flops(model, cond, *, height: int, width: int, guided: bool) -> float:
-    """Model FLOPs of one (guided) velocity call over every row of `cond` (`models.base.Conditioning`): the
-    conditional forward plus, when `guided`, the unconditional one (its own text lengths), from the wrapper's
-    `forward_flops` with (H/16)·(W/16) image tokens, the valid prompt tokens of each row and, for edit, each row's
-    reference tokens ((h/2)·(w/2) of its reference latents)."""
-    image_tokens = (height // 16) * (width // 16)
-    refs = None
-    if cond.ref_latents is not None:
-        h, w = cond.ref_latents.shape[-2:]
-        refs = [[(h // 2) * (w // 2)]] * cond.ref_latents.shape[0]
-    flops = model.forward_flops(image_tokens, cond.prompt.mask.sum(dim=1).tolist(), refs)
-    if guided:
-        if cond.negative is None:
-            raise ValueError("transformer_flops: guided=True but the conditioning has no negative prompt")
-        flops += model.forward_flops(image_tokens, cond.negative.mask.sum(dim=1).tolist(), refs)
-    return float(flops)
-
-
-def phase_perf_metrics(timings: Mapping[str, float], phases: Mapping[str, tuple[float, int]],
-                       device: torch.device | str) -> dict[str, float]:
-    """`perf/mfu/<phase>` = FLOPs / (timing_s/<phase> · devices · peak) for each phase -> (FLOPs, devices) whose
-    timing exists (FLOPs of the whole phase on those devices), `perf/tflop/<phase>` (the FLOPs, logged even without
-    a known peak), and on CUDA `perf/max_memory_{allocated,reserved}_gb`: this process's peaks since start (the max
-    over trainer ranks; per rank under `.../rank<r>` when there are several). Collective on CUDA (one
-    all_gather_object of two floats per rank)."""
-    peak = device_peak_flops(device)
-    out: dict[str, float] = {}
-    for phase, (flops, devices) in sorted(phases.items()):
-        seconds = timings.get(f"timing_s/{phase}")
-        if seconds is None:
-            continue
-        out[f"perf/tflop/{phase}"] = float(flops) / 1e12
-        if peak is not None and seconds > 0:
-            out[f"perf/mfu/{phase}"] = float(flops) / (seconds * max(devices, 1) * peak)
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        mine = (torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)
-        world = get_world_size()
-        every: list[Any] = [mine]
-        if world > 1 and dist.is_initialized():
-            every = [None] * world
-            dist.all_gather_object(every, mine)
-        for i, key in enumerate(("allocated", "reserved")):
-            out[f"perf/max_memory_{key}_gb"] = max(v[i] for v in every)
-            if world > 1:
-                out.update({f"perf/max_memory_{key}_gb/rank{r}": v[i] for r, v in enumerate(every)})
-    return out

@@ -19,7 +19,7 @@ __all__ = [
     "ADAPTER_DEFAULT", "ADAPTER_OLD", "adapter_params", "add_lora_adapters", "use_adapter", "transformer_blocks",
     "apply_activation_checkpointing", "checkpointed_block_indices", "mixed_precision_policy", "base_weight_dtype",
     "cast_frozen_base_", "shard_transformer", "prepare_transformer", "adapter_state_dict", "load_adapter_state_",
-    "save_adapter_dir", "adapter_config_dict"
+    "save_adapter_dir", "adapter_config_dict", "load_flow_model",
 ]
 
 
@@ -355,3 +355,23 @@ def adapter_config_dict(lora_config) -> dict:
     config.update(peft_type="LORA", inference_mode=True, use_dora=False, lora_bias=False,
                   target_modules=sorted(lora_config.target_modules))
     return config
+
+
+def load_flow_model(path: str, args, device: torch.device):
+    """The trainer's model wrapper: the transformer only. Prompt embeddings, reference latents and images come from
+    the rollout workers, so trainer ranks skip the text encoder and the VAE (`models.base.NotLoaded`).
+
+    The transformer is read from disk directly in `base_weight_dtype(device, --precision, --base_weights_dtype)`
+    (bf16 for --precision bf16 on GPU: half the host RAM and read time of an fp32 load, and no fp32 master copy of
+    the frozen weights on the GPU; fp32 on CPU or with --base_weights_dtype fp32). The wrapper still hands the
+    transformer fp32 inputs (`model.dtype = float32`), so timesteps, latents and embeddings are rounded exactly as
+    before: FSDP2's policy casts them to the compute dtype at the root, as it did with fp32 weights."""
+    from models import load_model, model_family
+
+    kwargs = {"max_sequence_length": args.max_sequence_length} if model_family(path) == "qwen_image" else {}
+    storage = base_weight_dtype(device, args.precision, args.base_weights_dtype)
+    # Loaded on the CPU: `prepare_transformer`'s fully_shard moves one block at a time to `device` and shards it,
+    # so no GPU ever holds the whole transformer. The wrapper's inputs go to `device`.
+    model = load_model(path, device="cpu", dtype=storage, cfg_batch=args.cfg_batch, transformer_only=True, **kwargs)
+    model.device, model.dtype = torch.device(device), torch.float32
+    return model

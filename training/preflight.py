@@ -1,12 +1,13 @@
 """Start-up checks that need no model: `setup_run` runs them before anything loads, so a bad flag, size, dataset
 row, output folder or judge stops the run within seconds with one message naming the flag, file or row and the fix.
 
-    run_preflight(args, world)      # rank 0 (setup_run shares the outcome with every rank); raises PreflightError
+    run_preflight(args, world, cfg_defaults=...)  # rank 0 (setup_run shares the outcome with every rank); raises PreflightError
 
 In order: the flags (`check_flags`: counts, timeouts, batch sizes against the world size, rollout_n >= 2 (the
 advantages are group-relative) and the micro-batch size, a negative reward weight without
 --allow_negative_reward_weights, CUDA rollout devices on a host without CUDA, the collective timeout); the image
-size for the model family (`models.check_size_for`: reads model_index.json and vae/config.json only); every row of
+size for the model family (`models.check_size_for`: reads model_index.json and vae/config.json only); the run's
+CFG scale (`flags.resolve_cfg_scale`: the other family's CFG flag is refused); every row of
 --train_files and --val_files (`check_datasets`: the dataset's own row checks, a non-empty prompt, a data_source
 that names a reward, the ground truth a multi-reward needs, enough validation prompts for the ranks, at least
 --train_batch_size training rows); what each reward needs (`check_rewards`: a PickScore folder); --init_adapter
@@ -23,7 +24,9 @@ import math
 import os
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+from .flags import resolve_cfg_scale
 
 __all__ = ["PreflightError", "run_preflight", "check_flags", "check_datasets", "check_rewards", "check_output_dir",
            "probe_judge", "rewards_used", "check_reward_signs", "check_rollout_devices", "check_init_adapter",
@@ -38,7 +41,7 @@ def check_flags(args, world: int) -> None:
     """Counts, timeouts and batch sizes (`check_batch_sizes`) of the run with `world` trainer ranks, and the
     collective timeout (`collective_timeout_s`)."""
     from .distributed import collective_timeout_s
-    from .step import check_batch_sizes
+    from .flags import check_batch_sizes
 
     at_least = {"train_batch_size": 1, "rollout_n": 1, "micro_batch_size": 1, "ppo_epochs": 1,
                 "total_training_steps": 1, "save_freq": 1, "log_every": 1, "num_inference_steps": 1,
@@ -117,7 +120,7 @@ def check_init_adapter(args) -> None:
     from models import lora
     from models.base import read_json
 
-    from .step import init_adapter_mismatch, resolve_adapter_dir
+    from .adapters import init_adapter_mismatch, resolve_adapter_dir
 
     spec = getattr(args, "init_adapter", None)
     if not spec:
@@ -166,15 +169,12 @@ def rewards_used(config, data_sources: Sequence[str]) -> list[str]:
     return list(config.reward_weights) if config.reward_weights else sorted(set(data_sources))
 
 
-def check_datasets(args, family: str, world: int) -> list[str]:
+def check_datasets(args, world: int, *, guided: bool) -> list[str]:
     """Read every row of --train_files and --val_files (`PromptDataset` with this run's guidance and the known
     rewards as data sources, plus the ground truth each --reward_weights reward reads from extra_info) and check
     that validation has a prompt per rank. Returns the data sources seen."""
     import rewards
     from data_prep.dataset import DatasetError, PromptDataset
-    from .step import guidance_for
-
-    guided = guidance_for(family, args) > 1.0
     config = rewards.RewardConfig.from_args(args)
     sources: list[str] = []
     for flag in ("train_files", "val_files"):
@@ -266,9 +266,10 @@ def probe_judge(args) -> float:
     return time.monotonic() - start
 
 
-def run_preflight(args, world: int) -> dict[str, Any]:
+def run_preflight(args, world: int, *, cfg_defaults: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Every model-free check, in the order of the module docstring; raises PreflightError at the first bad input.
-    Returns what it found (family, rewards, judge probe seconds) for the log."""
+    Returns what it found (family, the run's CFG scale from `flags.resolve_cfg_scale` with the trainer's
+    `cfg_defaults`, rewards, judge probe seconds)."""
     from models import check_size_for, resolve_model_path
 
     import rewards
@@ -279,12 +280,16 @@ def run_preflight(args, world: int) -> dict[str, Any]:
     except (ValueError, FileNotFoundError) as e:
         raise PreflightError(f"--model_path {args.model_path} with --height {args.height} --width {args.width}: "
                              f"{e}") from None
-    sources = check_datasets(args, family, world)
+    try:
+        cfg_scale = resolve_cfg_scale(family, args, (cfg_defaults or {}).get(family))
+    except ValueError as e:
+        raise PreflightError(f"--model_path {args.model_path}: {e}") from None
+    sources = check_datasets(args, world, guided=cfg_scale > 1.0)
     names = rewards_used(rewards.RewardConfig.from_args(args), sources)
     check_rewards(args, names)
     check_init_adapter(args)
     check_output_dir(args.output_dir)
-    found: dict[str, Any] = {"family": family, "rewards": names}
+    found: dict[str, Any] = {"family": family, "cfg_scale": cfg_scale, "rewards": names}
     cut = truncated_prompts(args, family)
     if cut:
         found["truncated_prompts"] = cut

@@ -23,17 +23,18 @@ from .distributed import (RankFailed, cleanup_distributed, collective_timeout_s,
 from .lifecycle import RunLock, RunLockError, install_collective_explainer, start_heartbeats, watch_parent
 from .preflight import PreflightError, check_flags, run_preflight
 from .profiling import step_profiler
-from .model import ADAPTER_DEFAULT, adapter_params, prepare_transformer
+from .model import ADAPTER_DEFAULT, adapter_params, load_flow_model, prepare_transformer
 from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
 from .data import PromptSampler
 from .checkpoint import (CheckpointError, GatheredState, ResumePlan, _complete_steps, _on_rank0, content_fingerprints,
                          find_latest, gather_checkpoint, load_checkpoint, prepare_resume, save_gathered,
                          write_checkpoint)
-from .logs import all_gather_objects
-from .logs import Progress, TensorBoardLogger, perf_metrics, run_summary, tee_console, write_run_metadata
-from .step import (check_batch_sizes, clean_rollout_adapters, guidance_of, load_flow_model, load_init_adapter,
-                   parse_lora_init, resolve_device, sync_rollout_adapter, validate)
+from .logs import Progress, TensorBoardLogger, all_gather_objects, run_summary, tee_console, write_run_metadata
+from .perf import perf_metrics
+from .flags import check_batch_sizes, parse_lora_init, resolve_device
+from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter
+from .validation import validate
 
 __all__ = ["Run", "setup_run", "StopSignals", "TrainingDiverged", "prepare_output_dir", "FATAL_SAVE_EXCLUDED"]
 
@@ -133,7 +134,7 @@ class Run:
     world: int
     logger: TensorBoardLogger
     model: Any                     # the FlowModel wrapper (transformer only: trainer ranks never encode or decode)
-    scale: float                   # the CFG scale of rollout and replay (1.0 = unguided)
+    cfg_scale: float               # the CFG scale of rollout and replay (1.0 = unguided)
     adapter_names: tuple[str, ...]
     lora_config: Any
     num_lora_modules: int          # the rollout workers must bind exactly this many modules at every sync
@@ -368,8 +369,7 @@ class Run:
                                  os.path.join(self.args.output_dir, "val_adapters"), step, self.num_lora_modules,
                                  engine_names=self.args.rollout_engine == "vllm_omni",
                                  label=f"val-{val_adapter}-v{step}")
-        metrics = validate(self.model, self.rollout, self.scorer, self.val_data, self.args, step, self.scale,
-                           self.logger)
+        metrics = validate(self.rollout, self.scorer, self.val_data, self.args, step, self.cfg_scale, self.logger)
         if swap:
             self.sync_rollout(self.rollout_adapter, self.rollout_version)
         self.last_val_metrics = dict(metrics)
@@ -468,17 +468,19 @@ class Run:
             self.run_lock = None
 
 
-def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
+def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str, float] | None = None) -> Run:
     """Both trainers' setup, in order: under torchrun, the parent watchdog (a rank whose agent died exits); the
-    model-free start-up checks (`training.preflight`: flags, sizes, every dataset row, --init_adapter, output folder,
-    judge; a refusal exits with its one line), distributed init (collective timeout from the flags); the run lock
+    model-free start-up checks (`training.preflight`: flags, sizes, the run's CFG scale, every dataset row,
+    --init_adapter, output folder, judge; a refusal exits with its one line), distributed init (collective timeout from the flags); the run lock
     of --output_dir (`lifecycle.RunLock`, rank 0); the console log file, the heartbeats (several ranks) and seeds;
     `--resume` decided model-free (`prepare_output_dir`); TensorBoard and run metadata (config, versions, git
     commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2 (`default` from --init_adapter when
     given); AdamW and the lr schedule; train/val data, the sampler and the batch-size checks; the reward scorer;
     `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr schedule); the rollout workers of this
     node; the SIGTERM/SIGINT handling (`StopSignals`, with the at-once write of the last finished step). Adapters
-    are NOT yet synced to the workers: the trainer does that with the adapter its algorithm samples from."""
+    are NOT yet synced to the workers: the trainer does that with the adapter its algorithm samples from.
+    `cfg_defaults`: the trainer's CFG scale per model family where it differs from the model's default
+    (`flags.resolve_cfg_scale`); the resolved scale is `args.cfg_scale` (in the run's config) and `Run.cfg_scale`."""
     from data_prep.dataset import PromptDataset
     from models import resolve_model_path
     import rewards
@@ -501,7 +503,9 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     group_timeout_s = collective_timeout_s(args)  # the main group's and the rollout node subgroups'
     dist_info = init_distributed(resolve_device(args.device), timeout_s=group_timeout_s)
     device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
-    found = on_rank0(lambda: run_preflight(args, world), catch=(ValueError, OSError), exc_type=PreflightError)
+    found = on_rank0(lambda: run_preflight(args, world, cfg_defaults=cfg_defaults), catch=(ValueError, OSError),
+                     exc_type=PreflightError)
+    args.cfg_scale = found["cfg_scale"]  # the run's one CFG scale, resolved once (recorded in its config)
     # one live run per --output_dir (before the console log, TensorBoard, the resume tidying or any model)
     ranks = all_gather_objects({"host": socket.gethostname(), "pid": os.getpid()})
     run_lock = on_rank0(lambda: RunLock.acquire(args.output_dir, ranks=ranks), catch=(RunLockError, OSError),
@@ -535,7 +539,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     if rank == 0:
         print(f"loading the transformer from {model_path}", flush=True)
     model = load_flow_model(model_path, args, device)
-    scale = guidance_of(model, args)
+    scale = args.cfg_scale
     targets = args.lora_target_modules.split(",") if args.lora_target_modules else list(model.default_lora_targets)
     lora_config = prepare_transformer(
         model.transformer, block_prefixes=model.lora_block_prefixes, target_modules=targets,
@@ -588,7 +592,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...]) -> Run:
     if rank == 0:
         print(f"rollout: the workers are ready ({time.monotonic() - started:.1f} s)", flush=True)
     run = Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
-               scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
+               cfg_scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
                val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
                ckpt_root=ckpt_root, adapters_root=os.path.join(args.output_dir, "rollout_adapters"),
