@@ -161,8 +161,11 @@ def config_flags(config: str, recipe: str, blocks: int, args) -> list[str]:
 
 def trainer_supports(flag_text: str) -> bool:
     """Whether the trainers' flags or the rollout module mention `flag_text` (e.g. the colocated rollout layout),
-    read from the source so that no process is started for it."""
-    for name in (os.path.join("training", "step.py"), "rollout.py"):
+    read from the source so that no process is started for it (`training/step.py` in checkouts from before the
+    split of training/)."""
+    for name in (os.path.join("training", "flags.py"), os.path.join("training", "step.py"), "rollout.py"):
+        if not os.path.isfile(os.path.join(REPO, name)):
+            continue
         with open(os.path.join(REPO, name), encoding="utf-8") as f:
             if flag_text in f.read():
                 return True

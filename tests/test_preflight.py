@@ -52,7 +52,21 @@ def free_port() -> int:
 
 def test_good_flags_pass_and_report(flags):
     found = T.run_preflight(train_dppo.parse_args(cli(**flags)), 1)
-    assert found == {"family": "qwen_image", "rewards": ["jpeg_compressibility"]}
+    assert found == {"family": "qwen_image", "cfg_scale": 1.0, "rewards": ["jpeg_compressibility"]}
+
+
+def test_the_cfg_scale_is_resolved_once_with_the_trainers_default(flags):
+    """The run's one CFG scale: the family's flag, else the trainer's default (train_nft.py: Qwen-Image 1.0, what
+    setup_run passes), else the model's 4.0 (whose guidance then needs every row's negative prompt)."""
+    import train_nft
+
+    unset = {**flags, "true_cfg_scale": None}
+    nft = T.run_preflight(train_nft.parse_args(cli(**unset)), 1, cfg_defaults=train_nft.CFG_SCALE_DEFAULTS)
+    assert nft["cfg_scale"] == 1.0
+    assert T.run_preflight(train_dppo.parse_args(cli(**flags, lr=1e-3)), 1)["cfg_scale"] == 1.0
+    assert T.run_preflight(train_dppo.parse_args(cli(**{**flags, "true_cfg_scale": 2.5})), 1)["cfg_scale"] == 2.5
+    assert T.run_preflight(train_dppo.parse_args(cli(**unset)), 1)["cfg_scale"] == 4.0
+    refused(cli(**unset, guidance_scale=4.0), r"--model_path .*qwen_image is guided by true_cfg_scale; guidance_scale")
 
 
 def test_bad_flags_and_sizes_are_refused(flags):

@@ -185,7 +185,7 @@ def test_ode_rollout_and_guidance_rules(groups):
     ode = groups["qwen_image"].generate(request_for("qwen_image", noise_level=0.0, return_log_probs=False,
                                                     sde_window_size=None, sde_window_range=None))
     assert ode.all_latents is None and ode.all_log_probs is None and ode.window_starts is None
-    with pytest.raises(RolloutError, match="negative prompts"):
+    with pytest.raises(ValueError, match="needs negative prompts"):  # refused by the contract, before any worker
         groups["boogu_image_base"].generate(request_for("boogu_image_base", negative_prompts=None))
     # the contract has one CFG scale: a message with a per-family knob of the old contract is refused, not ignored
     with pytest.raises(ValueError, match=r"unknown rollout request keys \['true_cfg_scale'\]"):

@@ -216,7 +216,7 @@ def test_val_adapter_samples_with_the_chosen_adapter_and_restores_the_rollout(tm
                               num_val_images=2)
     required = {f.name: None for f in dataclasses.fields(T.Run) if f.default is dataclasses.MISSING}
     run = T.Run(**{**required, "args": args, "model": SimpleNamespace(transformer=model, family="qwen_image"),
-                   "scale": 1.0, "lora_config": cfg, "num_lora_modules": len(lora.lora_layers(model, "default")),
+                   "cfg_scale": 1.0, "lora_config": cfg, "num_lora_modules": len(lora.lora_layers(model, "default")),
                    "val_data": rows, "scorer": scorer, "rollout": client, "rank": 0, "world": 1,
                    "adapters_root": str(tmp_path / "rollout_adapters"),
                    "logger": SimpleNamespace(log_scalars=lambda *a: None, log_image=lambda *a: None)})

@@ -13,9 +13,10 @@ One module per section, read in this order (`import training as T` gives every p
    DiffusionNFT `old` adapter copy / EMA refresh.
 4. `data.py`: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per
    rank; `mini_batches` / `micro_batches`, the update's schedule over a step's samples.
-5. `checkpoint.py`: atomic save (temp dir, sha256 manifest written last, rename), `find_latest`, exact
-   `load_checkpoint` (weights_only) that refuses a partial or corrupt checkpoint; the resume policy (which flags may
-   change, content fingerprints) and `prepare_resume` (model-free: orphans, --resume never, integrity); the layout.
+5. `resume_policy.py`: which flags a resume may change, the config and content fingerprints that check it;
+   `checkpoint.py`: atomic save (temp dir, sha256 manifest written last, rename), `find_latest`, exact
+   `load_checkpoint` (weights_only) that refuses a partial or corrupt checkpoint, the layout; `resume.py`:
+   `prepare_resume` (model-free: orphans, --resume never, integrity, an earlier verified checkpoint named).
 6. `logs.py`: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
    `critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata.
 7. `perf.py`: images/s per GPU, model FLOPs and MFU per phase, peak memory; `nft_perf_metrics` /
@@ -60,13 +61,14 @@ from .optim import (build_optimizer, LR_SCHEDULES, lr_multiplier, build_lr_sched
                     load_lr_scheduler_state_, GradStepper, ema_adapter_, old_policy_refresh)
 # 4. the resumable prompt sampler, the update's mini- and micro-batches
 from .data import SamplerBatch, PromptSampler, micro_batches, mini_batches
-# 5. atomic checkpoints, resume policy and integrity
+# 5. the resume policy and its fingerprints; atomic checkpoints and integrity; the model-free resume decision
+from .resume_policy import (RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, RESUME_MUTABLE_KEYS, config_fingerprint,
+                            content_fingerprints, path_fingerprint, sha256_file)
 from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapter, adapter_checkpoint, MARKER,
-                         CHECKPOINT_FORMAT, RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, RESUME_MUTABLE_KEYS,
-                         config_fingerprint, content_fingerprints, path_fingerprint, sha256_file, library_versions,
-                         optimizer_full_state, load_optimizer_full_state_, save_checkpoint, GatheredState,
-                         gather_checkpoint, write_checkpoint, save_gathered, find_latest, verify_checkpoint,
-                         clean_orphans, check_resume_config, ResumePlan, prepare_resume, load_checkpoint)
+                         CHECKPOINT_FORMAT, library_versions, optimizer_full_state, load_optimizer_full_state_,
+                         save_checkpoint, GatheredState, gather_checkpoint, write_checkpoint, save_gathered,
+                         find_latest, verify_checkpoint, clean_orphans, check_resume_config, load_checkpoint)
+from .resume import ResumePlan, prepare_resume
 # 6. TensorBoard, metric reduction, image grids, timers, run metadata, the console log
 from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, timer, image_grid,
                    sample_caption, rollout_grid, prompt_text, all_gather_objects, gather_first_images, Progress,
@@ -83,7 +85,8 @@ from .scoring import (score_inputs, score_samples, nonfinite_rows, score_finite,
                       JudgeRepliesEmpty, empty_reply_counts, judge_records, log_judge_replies, append_judge_log,
                       global_advantages)
 # 10. one training rollout: request, submission, collection with its checks, the lagged look-ahead
-from .rollouts import rollout_request, submit_rollout, rollout_and_score, log_rollout_images, peek_batch, lag_next_rollout
+from .rollouts import (rollout_request, submit_rollout, rollout_and_score, log_rollout_images, peek_batch,
+                       lag_next_rollout)
 # 11. the rollout policy's sync to the workers, adapter folders, --init_adapter
 from .adapters import (sync_rollout_adapter, prune_rollout_adapters, clean_rollout_adapters, publish_adapter_tensors,
                        publish_tensors, resolve_adapter_dir, verify_adapter_spec, adapter_arg, init_adapter_mismatch,
@@ -107,6 +110,7 @@ from .lifecycle import (RUN_LOCK, RunLockError, RunLock, pid_alive, describe_hol
                         HEARTBEAT_STALE_S)
 
 # every public name above, module by module (each module's own __all__)
-__all__ = [name for module in (distributed, model, optim, data, checkpoint, logs, perf, flags,  # noqa: F821
-                               scoring, rollouts, adapters, validation, preflight, profiling, run, cli, lifecycle)
+__all__ = [name for module in (distributed, model, optim, data, resume_policy, checkpoint, resume,  # noqa: F821
+                               logs, perf, flags, scoring, rollouts, adapters, validation, preflight, profiling, run,
+                               cli, lifecycle)
            for name in module.__all__]

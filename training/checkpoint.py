@@ -1,8 +1,7 @@
-"""Checkpoints: atomic save (temp dir, a sha256 manifest written last, rename), `find_latest`, exact
-`load_checkpoint` (every file read with `torch.load(weights_only=True)`: a checkpoint never runs code), and the resume
-policy: which flags may change between a run and its resume, content fingerprints of the data and model folders, and
-`prepare_resume`, the model-free first look at `<output_dir>/checkpoints` (orphans of a killed save, `--resume
-never`, integrity, config) that a trainer runs before it loads anything.
+"""Checkpoints: atomic save (temp dir, a sha256 manifest written last, rename), `find_latest`, `verify_checkpoint`,
+and exact `load_checkpoint` (every file read with `torch.load(weights_only=True)`: a checkpoint never runs code),
+which compares the run's config with the checkpoint's (`check_resume_config`, by the policy of `resume_policy.py`).
+`resume.py` holds `prepare_resume`, the model-free first look at `<output_dir>/checkpoints` before any model loads.
 
 Checkpoint layout (``<root>/step_00000012/``)::
 
@@ -23,7 +22,6 @@ and readable with plain `torch.load`. It is gathered/scattered by our own two fu
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import pickle
@@ -34,7 +32,6 @@ import shutil
 import uuid
 import warnings
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
@@ -47,14 +44,13 @@ from models import lora
 from .distributed import get_rank, get_world_size, on_rank0, raise_if_any_rank_failed
 from .model import ADAPTER_DEFAULT, _full, adapter_state_dict, load_adapter_state_, save_adapter_dir
 from .data import PromptSampler
+from .resume_policy import RESUME_MUTABLE_KEYS, _hash_files, _logged_values, config_fingerprint
 
 __all__ = [
     "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "MARKER",
-    "CHECKPOINT_FORMAT", "RESUME_BLOCKING", "RESUME_LOGGED",
-    "RESUME_PATHS", "RESUME_MUTABLE_KEYS", "config_fingerprint", "content_fingerprints", "path_fingerprint",
-    "sha256_file", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
+    "CHECKPOINT_FORMAT", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
     "GatheredState", "gather_checkpoint", "write_checkpoint", "save_gathered",
-    "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config", "ResumePlan", "prepare_resume",
+    "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config",
     "load_checkpoint",
 ]
 
@@ -75,140 +71,6 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MARKER = "COMPLETE"
 CHECKPOINT_FORMAT = 2  # 2: sha256 per file in the manifest, weights_only-loadable rng.pt (1: sizes only, numpy pickles)
 
-# The resume policy: every flag of the trainers is in exactly one of these (tests/test_training.py fails on a new
-# flag that is not). BLOCKING flags change the objective, the sampled numbers or the data order: a resume with a
-# different value is refused (--resume_force overrides, with a warning naming them). LOGGED flags are operational
-# (where things run, how fast, how long, what is logged or validated): a change is allowed and printed. PATHS are
-# logged as strings (a moved run folder still resumes); what they point to is fingerprinted instead
-# (`content_fingerprints`, key "<flag>@content"), blocking where True (val_files only steer validation).
-RESUME_BLOCKING: frozenset[str] = frozenset({
-    # model, LoRA, optimizer
-    "device", "precision", "max_sequence_length", "lora_rank", "lora_alpha", "lora_target_modules",
-    "lora_init_weights", "lr", "weight_decay", "adam_betas", "max_grad_norm",
-    # data order and batching
-    "seed", "train_batch_size", "rollout_n", "ppo_mini_batch_size", "ppo_epochs",
-    # rollout sampling
-    "rollout_engine", "rollout_dtype", "height", "width", "num_inference_steps", "guidance_scale", "true_cfg_scale",
-    "cfg_scale",
-    # rewards
-    "ocr_backend", "genrm_model", "genrm_temperature", "genrm_top_p", "genrm_max_tokens", "genrm_seed",
-    "rapidocr_det_limit_side_len", "reward_weights",
-    # DiffusionNFT
-    "mix_beta", "adv_clip_max", "ref_kl_coef", "adaptive_weight_min", "adv_mode", "timestep_fraction",
-    "timestep_shuffle_seed", "old_policy_decay_schedule", "old_policy_decay", "old_policy_update_interval",
-    "global_std", "norm_adv_by_std",
-    # Flow-DPPO / Flow-GRPO
-    "loss", "noise_level", "sde_type", "sde_window_size", "sde_window_range", "kl_mask_threshold",
-    "add_kl_coefficient", "clip_ratio",
-    # lr schedule; what the training forwards and the old log-probs are (they change the update)
-    "lr_scheduler", "lr_warmup_steps", "min_lr_ratio", "train_cfg", "old_log_probs",
-    "rollout_policy_lag",
-})
-RESUME_LOGGED: frozenset[str] = frozenset({
-    # run length, checkpoints, logging, stops
-    "resume", "resume_force", "total_training_steps", "save_freq", "keep_last", "log_every", "output_dir",
-    "max_consecutive_skips", "max_wall_time_s", "stop_save_budget_s", "save_on_exit", "judge_max_empty_frac",
-    # validation only (never touches the training batches or the trainer RNG)
-    "test_freq", "val_before_train", "num_val_images", "val_max_samples", "val_num_inference_steps", "val_seed",
-    # TensorBoard's training-sample grid (rank 0 only; reads the step's samples, changes nothing)
-    "rollout_image_freq", "num_rollout_images",
-    # where and how fast things run (same objective; float rounding and NFT's noise draws per micro-batch may differ)
-    "micro_batch_size", "activation_checkpointing", "cfg_batch", "rollout_devices", "rollout_max_batch_size",
-    "rollout_timeout_s", "rollout_startup_timeout_s", "collective_timeout_s", "rollout_threads", "judge_log_freq",
-    "base_weights_dtype", "activation_checkpointing_blocks", "rollout_python", "rollout_sync", "reward_overlap",
-    "attention_backend", "loss_metrics", "profile_step",
-    # only read at step 0 (a resume restores the adapters) / only steer validation
-    "init_adapter", "val_adapter",
-    # the reward servers and devices
-    "genrm_url", "genrm_device", "genrm_batch_size", "genrm_concurrency", "genrm_timeout_s", "genrm_max_retries",
-    "genrm_backoff_s", "genrm_retry_total_s", "allow_negative_reward_weights", "rapidocr_threads", "rapidocr_workers",
-    "pickscore_device", "pickscore_cache_dir", "pickscore_batch_size",
-})
-RESUME_PATHS: dict[str, bool] = {
-    "model_path": True, "train_files": True, "val_files": False, "genrm_model_path": True, "pickscore_path": True,
-    "pickscore_processor_path": True,
-}
-CONTENT = "@content"
-# Keys left out of the config fingerprint (the default `ignore` of save / load); everything else, including any key
-# that is not classified above, is fingerprinted (fail closed).
-RESUME_MUTABLE_KEYS: tuple[str, ...] = tuple(sorted(
-    RESUME_LOGGED | set(RESUME_PATHS) | {flag + CONTENT for flag, blocks in RESUME_PATHS.items() if not blocks}))
-
-
-def config_fingerprint(config: Mapping[str, Any], ignore: Iterable[str] = RESUME_MUTABLE_KEYS) -> tuple[str, dict[str, Any]]:
-    """(sha256 hex, fingerprinted values): every config key except `ignore`, JSON-normalised (tuples -> lists)."""
-    ignore = set(ignore)
-    values = {k: config[k] for k in sorted(config) if k not in ignore}
-    values = json.loads(json.dumps(values, sort_keys=True, default=str))
-    digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode("utf-8")).hexdigest()
-    return digest, values
-
-
-def _logged_values(config: Mapping[str, Any], ignore: Iterable[str]) -> dict[str, Any]:
-    ignore = set(ignore)
-    values = {k: config[k] for k in sorted(config) if k in ignore}
-    return json.loads(json.dumps(values, sort_keys=True, default=str))
-
-
-_HASH_CHUNK = 8 << 20
-_SAMPLE = 1 << 20
-
-
-def sha256_file(path: str) -> str:
-    """sha256 hex of a file, read in 8 MiB chunks (hashlib releases the GIL: `_hash_files` runs files in parallel)."""
-    digest = hashlib.sha256()
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
-def _hash_files(root: str, rel_paths: Sequence[str]) -> dict[str, str]:
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(rel_paths)))) as pool:
-        return dict(zip(rel_paths, pool.map(lambda rel: sha256_file(os.path.join(root, rel)), rel_paths)))
-
-
-def _dir_fingerprint(path: str) -> str:
-    """One sha256 over a model folder: every file's relative path and size, the full bytes of files up to 1 MiB
-    (configs, tokenizers) and the first and last MiB of larger ones (weights: a different checkpoint differs in its
-    header and tensors there; hashing 40 GB at every start would cost minutes). Hidden entries are skipped."""
-    digest = hashlib.sha256()
-    for dirpath, dirnames, files in os.walk(path, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(f for f in files if not f.startswith(".")):
-            full = os.path.join(dirpath, name)
-            size = os.path.getsize(full)
-            digest.update(f"{os.path.relpath(full, path)}\0{size}\0".encode())
-            with open(full, "rb") as f:
-                if size <= 2 * _SAMPLE:
-                    digest.update(f.read())
-                else:
-                    digest.update(f.read(_SAMPLE))
-                    f.seek(size - _SAMPLE)
-                    digest.update(f.read(_SAMPLE))
-    return digest.hexdigest()
-
-
-def path_fingerprint(path: str | None) -> str | None:
-    """What a path flag points to: "sha256:<hex>" of a file's bytes, "dir:<hex>" of a folder (`_dir_fingerprint`),
-    or the string itself when it is not a local path (a Hub id); None stays None."""
-    if path is None:
-        return None
-    local = os.path.expanduser(str(path))
-    if os.path.isfile(local):
-        return "sha256:" + sha256_file(local)
-    if os.path.isdir(local):
-        return "dir:" + _dir_fingerprint(local)
-    return f"not a local path: {path}"
-
-
-def content_fingerprints(config: Mapping[str, Any]) -> dict[str, str | None]:
-    """{"<flag>@content": path_fingerprint(value)} for every path flag in `config` (`RESUME_PATHS`), so a resume
-    checks the data and the models themselves rather than where they live. Model-free; the train parquet is hashed
-    in full, model folders as `_dir_fingerprint` says."""
-    return {flag + CONTENT: path_fingerprint(config[flag]) for flag in RESUME_PATHS if flag in config}
 
 
 def library_versions() -> dict[str, str]:
@@ -666,115 +528,6 @@ def check_resume_config(path: str, state: Mapping[str, Any], config: Mapping[str
     if logged:
         lines.append("changed since the checkpoint (operational flags and paths, allowed):\n  " + "\n  ".join(logged))
     return lines
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """What `prepare_resume` decided: the checkpoint to load (None: start at step 0), its step, and what it did or
-    found (orphans removed, checkpoints moved aside, changed flags) as lines for rank 0 to print."""
-
-    path: str | None
-    step: int
-    messages: tuple[str, ...] = ()
-
-    @property
-    def purge_step(self) -> int:
-        """TensorBoard `purge_step`: earlier events at steps >= this are dropped from view (a replayed step is not
-        shown twice; a fresh start hides a crashed attempt that never saved)."""
-        return self.step + 1 if self.path else 0
-
-
-def _set_aside(paths: Sequence[str], previous_root: str, label: str) -> str:
-    """Move `paths` (those that exist) into a new `<previous_root>/<UTC time>-<label>/`; return that folder."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    dest = os.path.join(previous_root, f"{stamp}-{label}-{uuid.uuid4().hex[:4]}")
-    os.makedirs(dest)
-    for path in paths:
-        if os.path.lexists(path):
-            os.rename(path, os.path.join(dest, os.path.basename(path)))
-    return dest
-
-
-def _earlier_verified(path: str) -> str | None:
-    """The newest complete checkpoint older than `path` in the same folder whose sha256 manifest verifies."""
-    root, name = os.path.split(os.path.abspath(path))
-    m = _STEP_DIR.match(name)
-    below = int(m.group(1)) if m else None
-    for step in reversed(_complete_steps(root)):
-        if below is not None and step >= below:
-            continue
-        candidate = os.path.join(root, f"step_{step:08d}")
-        try:
-            verify_checkpoint(candidate)
-        except CheckpointError:
-            continue
-        return candidate
-    return None
-
-
-def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any], adapter_names: Sequence[str],
-                          force: bool, set_aside_with_checkpoints: Sequence[str], previous_root: str) -> ResumePlan:
-    messages = clean_orphans(ckpt_root)
-    existing = _step_dirs(ckpt_root)
-    if resume == "never":
-        if existing:
-            dest = _set_aside([ckpt_root, *set_aside_with_checkpoints], previous_root, "resume-never")
-            messages.append(
-                f"--resume never: {ckpt_root} held checkpoints (steps {sorted(existing)}); moved them and the earlier "
-                f"run's logs aside to {dest} (nothing deleted; remove that folder when it is no longer needed)")
-        return ResumePlan(None, 0, tuple(messages))
-    if resume == "auto":
-        path = find_latest(ckpt_root)
-        if path is None:
-            return ResumePlan(None, 0, tuple(messages))
-    else:
-        path = os.path.abspath(resume)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"--resume {resume}: no such checkpoint directory (complete checkpoints under "
-                                  f"{ckpt_root}: {[f'step_{s:08d}' for s in _complete_steps(ckpt_root)]})")
-    try:
-        verify_checkpoint(path)
-    except CheckpointError as e:
-        earlier = _earlier_verified(path)
-        advice = (f"\nThe previous complete checkpoint {earlier} verifies: resume from it with --resume {earlier} "
-                  f"(the later ones are then moved aside, not deleted)." if earlier else
-                  "\nNo earlier complete checkpoint verifies; start a new run with --resume never (the checkpoints are "
-                  "moved aside, not deleted).")
-        raise CheckpointError(str(e) + advice) from None
-    for name in ("optimizer.pt", "rng.pt"):  # a pickle that would run code is refused now, before any model loads
-        _load_tensors(path, name, mmap=True)
-    state = _read_trainer_state(path)
-    step = int(state["step"])
-    messages += check_resume_config(path, state, config, adapter_names=adapter_names, force=force)
-    # <ckpt_root> keeps only the history being continued: later step folders (a run that went on past `step`, e.g.
-    # a corrupt newest one) would otherwise be picked by the next --resume auto or pushed out by keep_last
-    inside = os.path.realpath(os.path.dirname(path)) == os.path.realpath(ckpt_root)
-    later = sorted(name for s, name in existing.items() if not inside or s > step)
-    if later:
-        dest = _set_aside([os.path.join(ckpt_root, name) for name in later], previous_root, f"after-step-{step}")
-        messages.append(f"resuming from step {step}: moved the later checkpoint folders {later} (another history) "
-                        f"aside to {dest}")
-    return ResumePlan(path, step, tuple(messages))
-
-
-def prepare_resume(resume: str, ckpt_root: str, config: Mapping[str, Any], *,
-                   adapter_names: Sequence[str] = (ADAPTER_DEFAULT,), force: bool = False,
-                   set_aside_with_checkpoints: Sequence[str] = (), previous_root: str | None = None) -> ResumePlan:
-    """Decide `--resume` before any model is loaded. Collective: rank 0 inspects and tidies, every rank gets the
-    same plan or raises the same CheckpointError.
-
-    1. orphans of a killed save are removed or restored (`clean_orphans`);
-    2. 'never' with checkpoints present: `ckpt_root` and `set_aside_with_checkpoints` (TensorBoard, metadata) are
-       moved to `<previous_root>/<time>-resume-never/` (refusing would make re-running a recipe fail, deleting would
-       lose a run; moved aside, both stay and the new run's logs start clean);
-    3. 'auto' (newest complete) or a directory: every file's sha256 is checked; a corrupt checkpoint is an error that
-       names the previous one that verifies and the `--resume DIR` that uses it;
-    4. the config is checked (`check_resume_config`, `force` = --resume_force);
-    5. step folders after the resumed step (or all, when resuming from another folder) are moved aside.
-    """
-    previous_root = previous_root or os.path.join(os.path.dirname(os.path.abspath(ckpt_root)), "previous")
-    return _on_rank0(lambda: _prepare_resume_rank0(resume, ckpt_root, config, adapter_names, force,
-                                                   set_aside_with_checkpoints, previous_root))
 
 
 def _on_rank0(fn: Callable[[], Any], what: str = "") -> Any:

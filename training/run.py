@@ -27,9 +27,10 @@ from .model import ADAPTER_DEFAULT, adapter_params, load_flow_model, prepare_tra
 from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
 from .data import PromptSampler
-from .checkpoint import (CheckpointError, GatheredState, ResumePlan, _complete_steps, _on_rank0, content_fingerprints,
-                         find_latest, gather_checkpoint, load_checkpoint, prepare_resume, save_gathered,
-                         write_checkpoint)
+from .checkpoint import (CheckpointError, GatheredState, _complete_steps, _on_rank0, find_latest, gather_checkpoint,
+                         load_checkpoint, save_gathered, write_checkpoint)
+from .resume_policy import content_fingerprints
+from .resume import ResumePlan, prepare_resume
 from .logs import Progress, TensorBoardLogger, all_gather_objects, run_summary, tee_console, write_run_metadata
 from .perf import perf_metrics
 from .flags import check_batch_sizes, parse_lora_init, resolve_device
