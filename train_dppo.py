@@ -70,10 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @dataclass
 class StoredWindow:
-    """This rank's stored SDE window on the training device: latents (B, W+1, ...) (fp32), the schedule position of
-    each stored transition j, sigma -> sigma_next (B, W) each (the stored timesteps 1000·σ looked up in the schedule
-    `sigmas` (N+1,) by exact equality and checked once per step), and the rollout's conditioning
-    (`models.base.Conditioning`)."""
+    """This rank's stored SDE window on the training device: latents (B, W+1, ...) fp32; sigma, sigma_next (B, W):
+    transition j goes from latents[:, j] at sigma[:, j] to latents[:, j+1] at sigma_next[:, j] (the stored timesteps
+    1000·σ looked up in the schedule `sigmas` (N+1,) by exact equality, checked once per step); the rollout's
+    conditioning `cond` (`models.base.Conditioning`)."""
 
     latents: torch.Tensor
     sigma: torch.Tensor

@@ -10,6 +10,7 @@ layered (`engines/__init__.py`); a cycle anywhere is reported as its path, e.g. 
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -151,3 +152,32 @@ def test_the_checker_reads_the_real_tree_without_importing_it():
     import_graph(REPO)
     assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("rollout", "engines", "vllm_omni")}
     assert os.path.isfile(REPO / "engines" / "vllm_omni_pipelines.py")
+
+
+def test_training_exports_each_name_from_the_module_named_for_its_job():
+    """`import training as T` gives every public name, each imported explicitly (no `import *`) from the one module
+    whose `__all__` lists it, and classes and functions are defined there (not re-exported from elsewhere)."""
+    import importlib
+
+    import training as T
+
+    source = (REPO / "training" / "__init__.py").read_text(encoding="utf-8")
+    imports = [node for node in ast.parse(source).body if isinstance(node, ast.ImportFrom)]
+    assert imports and not [a.name for node in imports for a in node.names if a.name == "*"]
+    owner: dict[str, str] = {}
+    for node in imports:
+        if node.level != 1:
+            continue  # `from __future__ import annotations`
+        module = importlib.import_module(f"training.{node.module}")
+        for alias in node.names:
+            name = alias.name
+            assert name not in owner, f"{name} is imported from both training.{owner[name]} and training.{node.module}"
+            owner[name] = node.module
+            if not name.startswith("_"):
+                assert name in module.__all__, f"training.{node.module} does not list {name} in __all__"
+            value = getattr(module, name)
+            if inspect.isclass(value) or inspect.isfunction(value):
+                assert value.__module__ == f"training.{node.module}", f"{name} is defined in {value.__module__}"
+    listed = {name for module in set(owner.values())
+              for name in importlib.import_module(f"training.{module}").__all__}
+    assert listed == {name for name in owner if not name.startswith("_")} == set(T.__all__)
