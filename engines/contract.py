@@ -29,11 +29,16 @@ ENGINES = ("native", "vllm_omni")
 
 
 def _check_keys(cls: type, data: dict[str, Any], what: str) -> None:
-    """ValueError listing the keys of `data` that are not fields of the dataclass `cls`."""
+    """ValueError listing the keys of `data` that are not fields of the dataclass `cls`, or the fields without a
+    default that `data` lacks (a message must say what it means, never fall back to a default)."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"unknown {what} keys {unknown}; valid keys: {sorted(names)}")
+    missing = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING and f.name not in data)
+    if missing:
+        raise ValueError(f"missing {what} keys {missing}")
 
 
 @dataclass
@@ -79,10 +84,6 @@ class RolloutRequest:
     def from_dict(cls, data: dict[str, Any]) -> "RolloutRequest":
         """Build from a plain dict; unknown or missing keys are an error (a typo must not silently use a default)."""
         _check_keys(cls, data, "rollout request")
-        missing = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING and f.name not in data)
-        if missing:
-            raise ValueError(f"missing rollout request keys {missing}")
         request = cls(**data)
         request.validate()
         return request

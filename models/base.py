@@ -168,26 +168,33 @@ DEFAULT_CFG_SCALE = 4.0  # both released pipelines' default: Boogu-Image `guidan
 CFG_ARGUMENT = {"boogu_image": "guidance_scale", "qwen_image": "true_cfg_scale"}
 
 
-def cfg_scale(family: str, guidance_scale: float | None, true_cfg_scale: float | None, *,
-              default: float = DEFAULT_CFG_SCALE) -> float:
-    """The one CFG scale s (velocity = uncond + s·(cond - uncond); s <= 1 = no CFG) from the two user-facing knobs:
-    the family's own (`CFG_ARGUMENT`: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`), else `default`.
-    Setting the other family's knob is a ValueError: it would otherwise be ignored silently."""
+def cfg_argument(family: str) -> str:
+    """The family's CFG argument (`CFG_ARGUMENT`); ValueError for an unknown family."""
     if family not in CFG_ARGUMENT:
         raise ValueError(f"unknown model family {family!r}; known: {sorted(CFG_ARGUMENT)}")
-    values = {"guidance_scale": guidance_scale, "true_cfg_scale": true_cfg_scale}
-    own = CFG_ARGUMENT[family]
-    other = next(name for name in values if name != own)
-    if values[other] is not None:
+    return CFG_ARGUMENT[family]
+
+
+def cfg_scale(family: str, guidance_scale: float | None, true_cfg_scale: float | None, *,
+              default: float | None = None) -> float:
+    """The one CFG scale s (velocity = uncond + s·(cond - uncond); s <= 1 = no CFG) from the two user-facing knobs:
+    the family's own (`CFG_ARGUMENT`: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`), else `default`
+    (None = `DEFAULT_CFG_SCALE`). Setting the other family's knob is a ValueError: it would otherwise be ignored
+    silently."""
+    own = cfg_argument(family)
+    value, other_value = (guidance_scale, true_cfg_scale) if own == "guidance_scale" else (true_cfg_scale,
+                                                                                           guidance_scale)
+    if other_value is not None:
+        other = "true_cfg_scale" if own == "guidance_scale" else "guidance_scale"
         raise ValueError(f"{family} is guided by {own}; {other} belongs to the other model family")
-    return float(default) if values[own] is None else float(values[own])
+    if value is None:
+        return float(DEFAULT_CFG_SCALE if default is None else default)
+    return float(value)
 
 
 def pipeline_cfg_kwargs(family: str, scale: float) -> dict[str, float]:
     """{the family's pipeline argument: `scale`} (`CFG_ARGUMENT`), e.g. {"true_cfg_scale": 4.0} for Qwen-Image."""
-    if family not in CFG_ARGUMENT:
-        raise ValueError(f"unknown model family {family!r}; known: {sorted(CFG_ARGUMENT)}")
-    return {CFG_ARGUMENT[family]: float(scale)}
+    return {cfg_argument(family): float(scale)}
 
 
 def nearest_multiples(value: int, k: int) -> tuple[int, int]:

@@ -21,9 +21,10 @@ import torch.nn as nn
 
 from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
 from losses import flow_sigmas, time_shift_mu
-from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8, vae_scale_factor
-# BooguImageTransformer2DModel is also imported from here by scripts/build_tiny_models.py (left as is: that script's
-# sha256 keys the cache of tiny checkpoints)
+from models.base import (CFG_ARGUMENT, FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8,
+                         vae_scale_factor)
+# the wrapper's transformer; scripts/build_tiny_models.py also imports it from here (left as is: that script's sha256
+# keys the cache of tiny checkpoints)
 from models.boogu_image_transformer import BooguImageTransformer2DModel, boogu_image_forward_flops
 
 BOOGU_MAX_PIXELS = 2048 * 2048  # output (and VAE reference) pixel cap of the released pipeline
@@ -397,7 +398,7 @@ class BooguImageModel(FlowModel):
         rounding: each sample's noise/reference RoPE positions start at its own valid instruction length (not the
         padded width), padded instruction keys are masked in every attention, and the rest is per token."""
         self._check_latent_size(latents, height, width)
-        if not self.check_guidance(scale, negative, "guidance_scale"):
+        if not self.check_guidance(scale, negative, CFG_ARGUMENT[self.family]):
             return self.predict_velocity(latents, sigmas, prompt, ref_latents)
         if self.cfg_batch:
             b = latents.shape[0]

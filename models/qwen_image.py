@@ -20,7 +20,8 @@ import torch
 
 import losses
 from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
-from models.base import FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8, vae_scale_factor
+from models.base import (CFG_ARGUMENT, FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8,
+                         vae_scale_factor)
 
 # The pipeline's prompt template and the number of tokens of its prefix (system turn + "<|im_start|>user\n").
 PROMPT_PREFIX = f"<|im_start|>system\n{QWEN_IMAGE_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
@@ -347,7 +348,7 @@ class QwenImageModel(FlowModel):
         padded width (the table is only longer), padded text keys are masked out of the joint attention
         (`encoder_hidden_states_mask`, always passed here), and everything else in the text stream is per token.
         """
-        if not self.check_guidance(scale, negative, "true_cfg_scale"):
+        if not self.check_guidance(scale, negative, CFG_ARGUMENT[self.family]):
             return self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
         if self.cfg_batch:
             b = latents.shape[0]

@@ -88,6 +88,9 @@ def test_sde_window_starts():
 def test_request_rejects_unknown_keys_and_bad_values():
     good = dict(prompts=["a"], seeds=[1], num_inference_steps=2, height=64, width=64, cfg_scale=1.0)
     assert len(RolloutRequest.from_dict(good)) == 1
+    # the contract has one CFG scale: a message with a per-family knob of the old contract is refused, not ignored
+    with pytest.raises(ValueError, match=r"unknown rollout request keys \['true_cfg_scale'\]"):
+        RolloutRequest.from_dict(dict(good, true_cfg_scale=4.0))
     with pytest.raises(ValueError, match=r"missing rollout request keys \['cfg_scale'\]"):
         RolloutRequest.from_dict({k: v for k, v in good.items() if k != "cfg_scale"})
     for bad in (float("nan"), "4", None, True):
@@ -187,9 +190,6 @@ def test_ode_rollout_and_guidance_rules(groups):
     assert ode.all_latents is None and ode.all_log_probs is None and ode.window_starts is None
     with pytest.raises(ValueError, match="needs negative prompts"):  # refused by the contract, before any worker
         groups["boogu_image_base"].generate(request_for("boogu_image_base", negative_prompts=None))
-    # the contract has one CFG scale: a message with a per-family knob of the old contract is refused, not ignored
-    with pytest.raises(ValueError, match=r"unknown rollout request keys \['true_cfg_scale'\]"):
-        RolloutRequest.from_dict({**request_for("boogu_image_base").to_dict(), "true_cfg_scale": 4.0})
 
 
 # ---------------------------------------------------------------------------------------------------------

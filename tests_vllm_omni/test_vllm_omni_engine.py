@@ -127,7 +127,7 @@ def test_request_building_boogu_guidance_and_errors():
     OmniDiffusionRequest(prompt=prompt, sampling_params=sp, request_id="r")
     assert sp.guidance_scale == 5.0 and sp.guidance_scale_provided and sp.true_cfg_scale is None
     (_, sp_default), *_ = engine.build_requests(_sde_request())
-    assert sp_default.guidance_scale == 4.0  # explicit: vllm-omni's own defaulting would make it 1.0
+    assert sp_default.guidance_scale == 4.0  # always set: vllm-omni's own defaulting would make an unset one 1.0
     with pytest.raises(ValueError, match="needs negative prompts"):
         engine.build_requests(_sde_request(negative_prompts=None))
     (_, sp_qwen), *_ = _engine_stub("qwen_image").build_requests(_sde_request(cfg_scale=5.0))

@@ -184,10 +184,9 @@ def resolve_cfg_scale(family: str, args, default: float | None = None) -> float:
     --true_cfg_scale for Qwen-Image; the other family's flag is a ValueError), else `default` (a trainer's own
     default for the family, e.g. train_nft.py's `CFG_SCALE_DEFAULTS`), else the model's
     (`models.base.DEFAULT_CFG_SCALE`). `setup_run` stores the result as `args.cfg_scale` (in the run's config)."""
-    from models.base import DEFAULT_CFG_SCALE, cfg_scale
+    from models.base import cfg_scale
 
-    return cfg_scale(family, args.guidance_scale, args.true_cfg_scale,
-                     default=DEFAULT_CFG_SCALE if default is None else default)
+    return cfg_scale(family, args.guidance_scale, args.true_cfg_scale, default=default)
 
 
 def check_batch_sizes(train_batch_size: int, mini_batch_prompts: int, n: int, micro_batch_size: int,
