@@ -270,7 +270,8 @@ def test_each_trainers_perf_call_counts_its_forwards(monkeypatch):
     old 1 + reference 1) x 2 epochs at its training CFG; DPPO W=2 stored steps: one replay each, then fwd+bwd x 2."""
     from models.base import Conditioning, PromptEmbeds
 
-    model = SimpleNamespace(forward_flops=lambda n_img, text, refs: 1e12)
+    calls = []
+    model = SimpleNamespace(forward_flops=lambda n_img, text, refs: calls.append(n_img) or 1e12)
     cond = Conditioning(PromptEmbeds(torch.zeros(2, 5, 3), torch.ones(2, 5)),
                         PromptEmbeds(torch.zeros(2, 2, 3), torch.ones(2, 2)), None)
     args = SimpleNamespace(height=64, width=64, num_inference_steps=10, rollout_devices="cuda:2,cuda:3",
@@ -285,7 +286,9 @@ def test_each_trainers_perf_call_counts_its_forwards(monkeypatch):
     args.ref_kl_coef = 0.0
     assert T.nft_perf_metrics(run, cond, timings, num_k=3, train_scale=4.0)["perf/tflop/update_actor"] == \
         2 * 3 * (3 + 1) * 2  # guided training forwards, no reference
+    calls.clear()
     dppo = T.dppo_perf_metrics(run, cond, timings, num_w=2)
+    assert len(calls) == 2  # one guided velocity call's FLOP model (cond + uncond) for every phase of the step
     assert dppo["perf/tflop/gen"] == 20 and dppo["perf/tflop/old_log_prob"] == 2 * 2
     assert dppo["perf/tflop/update_actor"] == 2 * 2 * 3 * 2 and dppo["perf/mfu/update_actor"] == pytest.approx(4.0)
     run.cfg_scale = 1.0  # an unguided run: one forward per call everywhere

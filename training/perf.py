@@ -114,11 +114,15 @@ def phase_perf_metrics(timings: Mapping[str, float], phases: Mapping[str, tuple[
     return out
 
 
-def _gen_phase(run, cond) -> tuple[float, int]:
-    """(FLOPs, devices) of the step's rollout: every rank's samples, --num_inference_steps guided velocity calls
-    each at the run's CFG scale, on the job's rollout devices."""
-    per_rank = transformer_flops(run.model, cond, height=run.args.height, width=run.args.width,
-                                 guided=run.cfg_scale > 1.0)
+def _rollout_flops(run, cond) -> float:
+    """Model FLOPs of one velocity call of the rollout over this rank's rows (`cond`), at the run's CFG scale."""
+    return transformer_flops(run.model, cond, height=run.args.height, width=run.args.width,
+                             guided=run.cfg_scale > 1.0)
+
+
+def _gen_phase(run, per_rank: float) -> tuple[float, int]:
+    """(FLOPs, devices) of the step's rollout: every rank's samples (`per_rank` FLOPs per velocity call on each),
+    --num_inference_steps calls each, on the job's rollout devices."""
     return per_rank * run.args.num_inference_steps * get_world_size(), rollout_device_count(run.args.rollout_devices)
 
 
@@ -128,10 +132,12 @@ def nft_perf_metrics(run, cond, timings: Mapping[str, float], *, num_k: int, tra
     backward = 3 forwards, the `old` forward = 1, the reference forward = 1 when --ref_kl_coef > 0) x --ppo_epochs,
     each at the training forwards' CFG `train_scale`. Collective on CUDA."""
     args = run.args
-    per_rank = transformer_flops(run.model, cond, height=args.height, width=args.width, guided=train_scale > 1.0)
+    per_rank = _rollout_flops(run, cond)
+    per_train = per_rank if (train_scale > 1.0) == (run.cfg_scale > 1.0) else transformer_flops(
+        run.model, cond, height=args.height, width=args.width, guided=train_scale > 1.0)
     forwards = 3 + 1 + (1 if args.ref_kl_coef > 0 else 0)
-    return phase_perf_metrics(timings, {"gen": _gen_phase(run, cond),
-                                        "update_actor": (per_rank * num_k * forwards * args.ppo_epochs, 1)},
+    return phase_perf_metrics(timings, {"gen": _gen_phase(run, per_rank),
+                                        "update_actor": (per_train * num_k * forwards * args.ppo_epochs, 1)},
                               run.device)
 
 
@@ -140,8 +146,7 @@ def dppo_perf_metrics(run, cond, timings: Mapping[str, float], *, num_w: int) ->
     gen (`_gen_phase`); old_log_prob: one forward per stored step (W = `num_w`) per sample; update_actor: a forward
     and backward (3 forwards) per stored step per sample x --ppo_epochs; every forward at the rollout's CFG.
     Collective on CUDA."""
-    per_rank = transformer_flops(run.model, cond, height=run.args.height, width=run.args.width,
-                                 guided=run.cfg_scale > 1.0)
-    return phase_perf_metrics(timings, {"gen": _gen_phase(run, cond), "old_log_prob": (per_rank * num_w, 1),
+    per_rank = _rollout_flops(run, cond)
+    return phase_perf_metrics(timings, {"gen": _gen_phase(run, per_rank), "old_log_prob": (per_rank * num_w, 1),
                                         "update_actor": (per_rank * num_w * 3 * run.args.ppo_epochs, 1)},
                               run.device)
