@@ -72,13 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 class StoredWindow:
     """This rank's stored SDE window on the training device: latents (B, W+1, ...) fp32; sigma, sigma_next (B, W):
     transition j goes from latents[:, j] at sigma[:, j] to latents[:, j+1] at sigma_next[:, j] (the stored timesteps
-    1000·σ looked up in the schedule `sigmas` (N+1,) by exact equality, checked once per step); the rollout's
-    conditioning `cond` (`models.base.Conditioning`)."""
+    1000·σ looked up in the schedule by exact equality, checked once per step); sigma_max: the schedule's sigmas[1]
+    (`losses.sde_step`); the rollout's conditioning `cond` (`models.base.Conditioning`)."""
 
     latents: torch.Tensor
     sigma: torch.Tensor
     sigma_next: torch.Tensor
-    sigmas: torch.Tensor
+    sigma_max: torch.Tensor
     cond: Any
 
 
@@ -92,7 +92,7 @@ def replay(model, window: StoredWindow, mb: torch.Tensor, scale: float, args) ->
         velocity = model.guided_velocity(latents, sigma, cond.prompt, cond.negative, scale, cond.ref_latents,
                                          height=args.height, width=args.width)
         yield j, losses.sde_step(latents, velocity, sigma, window.sigma_next[mb, j], noise_level=args.noise_level,
-                                 sde_type=args.sde_type, sigma_max=window.sigmas[1],
+                                 sde_type=args.sde_type, sigma_max=window.sigma_max,
                                  prev_sample=window.latents[mb, j + 1], validate=False)
 
 
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
         sigma, sigma_next = losses.sigmas_at_timesteps(result.all_timesteps.to(device), sigmas)  # (B, W) each
         losses.check_sde_sigmas(sigma, sigma_next, sde_type=args.sde_type, sigma_max=sigmas[1])
         cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
-        window = StoredWindow(result.all_latents.to(device), sigma, sigma_next, sigmas, cond)
+        window = StoredWindow(result.all_latents.to(device), sigma, sigma_next, sigmas[1], cond)
 
         # 3. old log-probs and means, recomputed with the weights that sampled (ratio = 1 at the first update), or
         #    the rollout's own (--old_log_probs rollout)

@@ -5,7 +5,7 @@
 
 One rollout step:
   1. rollout: each node's local rank 0 sends its ranks' prompts (x rollout_n) to the node's rollout workers, which
-     sample with the `old` adapter and a deterministic ODE (Euler) sampler, with the model's CFG; the rewards
+     sample with the `old` adapter and a deterministic ODE (Euler) sampler, at the run's CFG scale; the rewards
      (chosen by each row's data_source) are scored as each chunk finishes, while the next chunk samples. With
      --rollout_policy_lag 1 the next step's rollout samples (with the same `old`) while this step trains;
   2. group advantages over the global batch (global std) -> DiffusionNFT optimality probabilities

@@ -252,7 +252,6 @@ class RolloutResult:
         )
 
 
-
 def image_to_uint8(image: Any) -> torch.Tensor:
     """A post-processed image (PIL, or a float tensor in [0, 1] (3, H, W) / (1, 3, H, W)) -> uint8 (3, H, W)."""
     if isinstance(image, torch.Tensor):

@@ -107,8 +107,6 @@ def vllm_omni_sampling_kwargs(family: str, request: RolloutRequest, row: int) ->
                 output_type="pil", extra_args=extra, **guidance)
 
 
-
-
 def parse_vllm_omni_output(output: Any) -> dict[str, Any]:
     """One OmniRequestOutput of our RL pipeline -> per-sample fields (see engines/vllm_omni_pipelines.py's docstring).
 

@@ -41,7 +41,6 @@ def build_engine(engine: str, model_path: str, **kwargs: Any):
     raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
 
 
-
 def _die_with_parent(parent_pid: int = 0) -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (no orphans even if the trainer is
     SIGKILLed); elsewhere the worker still exits on EOF of its stdin. `parent_pid`: the pid of the trainer that
@@ -161,7 +160,6 @@ def check_rollout_python(python: str | None, engine: str, *, timeout_s: float = 
     return info
 
 
-
 def worker_main(argv: Sequence[str] | None = None) -> None:
     """Entry point of one rollout worker process (`python rollout.py --worker ...`)."""
     parser = argparse.ArgumentParser(description="rollout worker (started by RolloutGroup)")
@@ -256,7 +254,6 @@ def _serve(engine: Any, channel_in, channel_out, device: str, profiler: Any) -> 
         except ProtocolError as e:  # refused before a byte was written: report it instead of the reply
             _send(channel_out, {"ok": False, "error": f"ProtocolError: the worker's reply to {op!r}: {e}",
                                 "traceback": ""})
-
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -321,7 +321,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--steps", type=int, default=10, help="num_inference_steps")
-    p.add_argument("--scale", type=float, default=4.0, help="CFG scale (the RolloutRequest's cfg_scale: Boogu guidance_scale / Qwen true_cfg_scale)")
+    p.add_argument("--scale", type=float, default=4.0,
+                   help="CFG scale (the RolloutRequest's cfg_scale: Boogu guidance_scale / Qwen true_cfg_scale)")
     p.add_argument("--noise-level", type=float, default=0.7, help="SDE noise level of the rollout")
     p.add_argument("--repeats", type=int, default=3, help="timed rollouts per mode (median reported)")
     p.add_argument("--velocity-repeats", type=int, default=5, help="timed guided_velocity calls per mode")

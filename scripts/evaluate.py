@@ -62,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--save_images", action="store_true",
                    help="also write every sample as images/<k>_<adapter>/<index>.png")
     parser.set_defaults(run_cfg_scale=None)  # no flag: the --run_dir run's resolved CFG scale, for unset CFG flags
-    T.set_defaults_from_run(parser, argv, {**{d: d for d in shown if d not in NOT_FROM_RUN}, "run_cfg_scale": "cfg_scale"})
+    from_run = {**{d: d for d in shown if d not in NOT_FROM_RUN}, "run_cfg_scale": "cfg_scale"}
+    T.set_defaults_from_run(parser, argv, from_run)
     args = parser.parse_args(argv)
     for spec in args.adapters:
         if spec != "base":
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
     info = T.init_distributed(T.resolve_device(args.device))
     rank = info.rank
     model_path = resolve_model_path(args.model_path)
-    scale = T.resolve_cfg_scale(model_family(model_path), args, args.run_cfg_scale)  # explicit flag, else the run's
+    scale = T.run_dir_cfg_scale(model_family(model_path), args)  # an explicit flag, else the --run_dir run's
     scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
     dtype = args.rollout_dtype if info.device.type == "cuda" else "float32"  # as the trainers start their workers
 

@@ -124,7 +124,7 @@ def main(argv=None) -> None:
     model_path = resolve_model_path(args.model_path)
     family = model_family(model_path)
     rows = prompt_rows(args, family)  # every model-free check first
-    scale = T.resolve_cfg_scale(family, args, args.run_cfg_scale)  # an explicit flag, else the run's, else 4.0
+    scale = T.run_dir_cfg_scale(family, args)  # an explicit flag, else the --run_dir run's, else 4.0
     if len(rows) < world:
         raise ValueError(f"{len(rows)} prompts for {world} processes: launch at most one process per prompt")
     dtype = getattr(torch, args.dtype) if info.device.type == "cuda" else torch.float32

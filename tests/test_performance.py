@@ -346,6 +346,27 @@ def _loss_calls(nan: bool = False):
     ]
 
 
+@pytest.mark.parametrize("script", ["train_nft", "train_dppo"])
+def test_each_trainer_hands_its_cfg_defaults_to_setup_run(monkeypatch, script):
+    """What the preflight resolves the CFG scale with: train_nft.py's visible Qwen-Image default (verl-omni's NFT
+    recipe: no CFG), none for train_dppo.py (the model's 4.0)."""
+    import importlib
+
+    trainer, seen = importlib.import_module(script), {}
+
+    class Stop(Exception):
+        pass
+
+    def setup_run(args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(T, "setup_run", setup_run)
+    with pytest.raises(Stop):
+        trainer.main(["--model_path", "m", "--train_files", "t.parquet"])
+    assert seen.get("cfg_defaults") == ({"qwen_image": 1.0} if script == "train_nft" else None)
+
+
 def test_device_loss_metrics_equal_the_host_reads_bit_for_bit():
     """sync=False returns the same loss and, per metric, the 0-dim tensor whose value sync=True reads; summed over
     calls by MetricAccumulator (float64 either way) the logged means are bit-identical."""

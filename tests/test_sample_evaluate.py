@@ -180,3 +180,23 @@ def test_sample_and_evaluate_refuse_a_folder_that_is_no_adapter(tmp_path, capsys
             main(argv)
         err = capsys.readouterr().err
         assert str(bogus) in err and "neither a PEFT adapter folder" in err
+
+
+def test_the_scripts_cfg_scale_comes_from_the_flag_or_the_run_and_fails_closed_for_an_old_run():
+    """sample.py / evaluate.py: an explicit flag wins, else the --run_dir run's recorded cfg_scale, else (no run)
+    4.0; a run folder that recorded no cfg_scale (an older version's) and no explicit flag is refused, not sampled
+    at a default its training may not have used."""
+    import argparse
+
+    import training as T
+
+    def args(**kw):
+        return argparse.Namespace(**{"run_dir": None, "run_cfg_scale": None, "guidance_scale": None,
+                                     "true_cfg_scale": None, **kw})
+
+    assert T.run_dir_cfg_scale("qwen_image", args()) == 4.0
+    assert T.run_dir_cfg_scale("qwen_image", args(run_dir="r", run_cfg_scale=1.0)) == 1.0
+    assert T.run_dir_cfg_scale("qwen_image", args(run_dir="r", run_cfg_scale=1.0, true_cfg_scale=3.0)) == 3.0
+    assert T.run_dir_cfg_scale("boogu_image", args(run_dir="r", guidance_scale=2.0)) == 2.0  # old run, explicit flag
+    with pytest.raises(ValueError, match=r"--run_dir r records no cfg_scale .*pass --true_cfg_scale"):
+        T.run_dir_cfg_scale("qwen_image", args(run_dir="r"))

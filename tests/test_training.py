@@ -333,9 +333,11 @@ def test_sampler_deterministic_epochs_and_shards():
 def test_mini_and_micro_batches_cover_each_epoch_in_order():
     as_lists = lambda batches: [[mb.tolist() for mb in mini] for mini in batches]  # noqa: E731
     assert as_lists(T.mini_batches(8, 4, 2, epochs=2)) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] * 2
-    assert as_lists(T.mini_batches(6, 6, 4)) == [[[0, 1, 2, 3], [4, 5]]]  # a short last micro-batch
-    assert as_lists(T.mini_batches(5, 4, 4)) == [[[0, 1, 2, 3]], [[4]]]  # a short last mini-batch
-    assert [mb.tolist() for mb in T.micro_batches(2, 7, 2)] == [[2, 3], [4, 5], [6]]
+    assert [mb.tolist() for mb in T.micro_batches(2, 8, 3)] == [[2, 3, 4], [5, 6, 7]]
+    with pytest.raises(ValueError, match="micro-batches of 4 do not tile the 6 samples"):
+        list(T.mini_batches(6, 6, 4))  # a short last micro-batch would weigh its samples more
+    with pytest.raises(ValueError, match="mini-batches of 4 do not tile the 5 samples"):
+        list(T.mini_batches(5, 4, 1))
     assert T.micro_batches(0, 4, 4)[0].dtype == torch.long
 
 

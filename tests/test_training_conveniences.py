@@ -213,10 +213,10 @@ def test_val_adapter_samples_with_the_chosen_adapter_and_restores_the_rollout(tm
                       ground_truth="", data_source="src") for i in range(3)]
     args = argparse.Namespace(val_adapter=val_adapter, output_dir=str(tmp_path), rollout_engine="native",
                               val_max_samples=0, val_seed=42, val_num_inference_steps=2, height=16, width=16,
-                              num_val_images=2)
+                              num_val_images=2, cfg_scale=1.0)
     required = {f.name: None for f in dataclasses.fields(T.Run) if f.default is dataclasses.MISSING}
     run = T.Run(**{**required, "args": args, "model": SimpleNamespace(transformer=model, family="qwen_image"),
-                   "cfg_scale": 1.0, "lora_config": cfg, "num_lora_modules": len(lora.lora_layers(model, "default")),
+                   "lora_config": cfg, "num_lora_modules": len(lora.lora_layers(model, "default")),
                    "val_data": rows, "scorer": scorer, "rollout": client, "rank": 0, "world": 1,
                    "adapters_root": str(tmp_path / "rollout_adapters"),
                    "logger": SimpleNamespace(log_scalars=lambda *a: None, log_image=lambda *a: None)})

@@ -59,9 +59,7 @@ def sync_rollout_adapter(rollout_client, transformer, adapter: str, lora_config,
     return {**timings, "rollout/bound_modules": float(counts[0]) if counts else 0.0}
 
 
-
 _VERSION_DIR = re.compile(r"^v(\d{8})$")
-
 
 
 def prune_rollout_adapters(root: str, current: int, keep: int = 2) -> list[str]:
@@ -78,7 +76,6 @@ def prune_rollout_adapters(root: str, current: int, keep: int = 2) -> list[str]:
     for name in removed:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return removed
-
 
 
 def clean_rollout_adapters(root: str) -> str | None:
@@ -101,7 +98,6 @@ def clean_rollout_adapters(root: str) -> str | None:
             f"{versions[0] + '..' + versions[-1] if versions else 'none'}; they are re-published from the weights)")
 
 
-
 def publish_adapter_tensors(rollout_client, transformer, adapter: str, lora_config, version: str) -> list[int]:
     """The tensor sync of `adapter`: every rank gathers each LoRA tensor (FSDP2 `full_tensor`, collective); the
     ranks that feed a worker (`rollout_client.feeds_workers`) copy it into their `AdapterBuffer`, and every node's
@@ -110,7 +106,6 @@ def publish_adapter_tensors(rollout_client, transformer, adapter: str, lora_conf
     layout = [(_strip_adapter(name, adapter), tuple(p.shape)) for name, p in params]
     return publish_tensors(rollout_client, layout, (_full(p.detach()) for _, p in params),
                            adapter_config_dict(lora_config), version)
-
 
 
 def publish_tensors(rollout_client, layout: Sequence[tuple[str, Sequence[int]]], tensors: Iterable[torch.Tensor],
@@ -136,7 +131,6 @@ def publish_tensors(rollout_client, layout: Sequence[tuple[str, Sequence[int]]],
     finally:
         if buffer is not None:
             buffer.close()
-
 
 
 def resolve_adapter_dir(spec: str) -> str:
@@ -174,7 +168,6 @@ def resolve_adapter_dir(spec: str) -> str:
                      f"checkpoint folder (adapters/<name>/){hint}")
 
 
-
 def verify_adapter_spec(spec: str) -> tuple[str, dict, dict]:
     """(folder, adapter_config, modules) of the adapter `spec` names (`resolve_adapter_dir`), verified as
     `read_verified_adapter` does (its checkpoint's sha256 manifest when it has one, finiteness always). Model-free;
@@ -182,7 +175,6 @@ def verify_adapter_spec(spec: str) -> tuple[str, dict, dict]:
     path = resolve_adapter_dir(spec)
     config, modules = read_verified_adapter(path)
     return path, config, modules
-
 
 
 def adapter_arg(spec: str) -> str:
@@ -195,7 +187,6 @@ def adapter_arg(spec: str) -> str:
     return spec
 
 
-
 def init_adapter_mismatch(spec: str, config: dict, *, lora_rank: int, lora_alpha: float) -> str | None:
     """Why the --init_adapter whose adapter_config is `config` cannot start this run's LoRA (None when it can):
     its rank and alpha must be the run's, and it must not be rsLoRA."""
@@ -205,7 +196,6 @@ def init_adapter_mismatch(spec: str, config: dict, *, lora_rank: int, lora_alpha
                 f"use_rslora={config.get('use_rslora', False)}; this run has --lora_rank {lora_rank} "
                 f"--lora_alpha {lora_alpha} (no rsLoRA): pass the adapter's values")
     return None
-
 
 
 def load_init_adapter(transformer, spec: str | None, *, lora_rank: int, lora_alpha: float, expected_modules: int,

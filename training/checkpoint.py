@@ -72,7 +72,6 @@ MARKER = "COMPLETE"
 CHECKPOINT_FORMAT = 2  # 2: sha256 per file in the manifest, weights_only-loadable rng.pt (1: sizes only, numpy pickles)
 
 
-
 def library_versions() -> dict[str, str]:
     """Versions of python, torch (and CUDA), diffusers, transformers, peft, numpy."""
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda),

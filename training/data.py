@@ -88,14 +88,20 @@ class PromptSampler:
 
 def micro_batches(start: int, stop: int, size: int, device: torch.device | str | None = None) -> list[torch.Tensor]:
     """The samples [start, stop) in order, as micro-batches of `size` row indices (each a (size,) long tensor on
-    `device`; the last one shorter when `size` does not divide stop - start)."""
-    return [torch.arange(i, min(i + size, stop), device=device) for i in range(start, stop, size)]
+    `device`). `size` must divide stop - start (ValueError): a shorter last micro-batch would weigh its samples more
+    in the trainers' loss / (micro-batches x steps) accumulation (`check_batch_sizes` refuses such flags)."""
+    if size < 1 or (stop - start) % size:
+        raise ValueError(f"micro-batches of {size} do not tile the {stop - start} samples [{start}, {stop})")
+    return [torch.arange(i, i + size, device=device) for i in range(start, stop, size)]
 
 
 def mini_batches(n: int, mini: int, micro: int, *, epochs: int = 1,
                  device: torch.device | str | None = None) -> Iterator[list[torch.Tensor]]:
     """The update's schedule over one step's `n` local samples (rollout order): `epochs` passes, each cut into
-    mini-batches of `mini` samples (one optimizer step each), each yielded as its `micro_batches` of `micro` rows."""
+    mini-batches of `mini` samples (one optimizer step each), each yielded as its `micro_batches` of `micro` rows.
+    `mini` must divide `n` (ValueError), as `micro` must divide `mini`."""
+    if mini < 1 or n % mini:
+        raise ValueError(f"mini-batches of {mini} do not tile the {n} samples of a step")
     for _ in range(epochs):
         for start in range(0, n, mini):
-            yield micro_batches(start, min(start + mini, n), micro, device)
+            yield micro_batches(start, start + mini, micro, device)

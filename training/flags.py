@@ -8,13 +8,14 @@ import os
 
 import torch
 
+from engines.contract import ENGINES
 from models.base import ATTENTION_BACKENDS
 
 from .adapters import adapter_arg
 from .optim import LR_SCHEDULES
 
-__all__ = ["add_common_args", "resolve_device", "resolve_cfg_scale", "check_batch_sizes", "parse_lora_init",
-           "check_rollout_lag"]
+__all__ = ["add_common_args", "resolve_device", "resolve_cfg_scale", "run_dir_cfg_scale", "check_batch_sizes",
+           "parse_lora_init", "check_rollout_lag"]
 
 
 def add_common_args(parser) -> None:
@@ -72,7 +73,7 @@ def add_common_args(parser) -> None:
                         "dtype (bf16 on GPU: same numbers, half the memory), 'fp32' = an fp32 copy re-cast every "
                         "forward (the old path, for benchmarks); LoRA weights, grads and AdamW state stay fp32")
     g = parser.add_argument_group("rollout")
-    g.add_argument("--rollout_engine", default="native", choices=["native", "vllm_omni"])
+    g.add_argument("--rollout_engine", default="native", choices=ENGINES)
     g.add_argument("--rollout_devices", default="cuda:3",
                    help="rollout workers of EACH node: 'colocated' = one worker per trainer GPU, on that GPU (every "
                         "GPU trains and samples; native engine), or reserved devices, comma-separated: e.g. 'cuda:3' "
@@ -171,12 +172,10 @@ def add_common_args(parser) -> None:
     rewards.add_reward_args(parser)
 
 
-
 def resolve_device(flag: str) -> str:
     if flag == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return flag
-
 
 
 def resolve_cfg_scale(family: str, args, default: float | None = None) -> float:
@@ -187,6 +186,20 @@ def resolve_cfg_scale(family: str, args, default: float | None = None) -> float:
     from models.base import cfg_scale
 
     return cfg_scale(family, args.guidance_scale, args.true_cfg_scale, default=default)
+
+
+def run_dir_cfg_scale(family: str, args) -> float:
+    """The CFG scale of scripts/sample.py and scripts/evaluate.py: an explicit --guidance_scale / --true_cfg_scale,
+    else the --run_dir run's recorded one (`args.run_cfg_scale`, its config's cfg_scale), else (no --run_dir) the
+    model's default. A --run_dir run that recorded none (written by an older version) and no explicit flag is a
+    ValueError naming the flag to pass, never a silent default: such a run may have sampled without CFG."""
+    from models.base import cfg_argument
+
+    own = cfg_argument(family)
+    if args.run_dir and args.run_cfg_scale is None and getattr(args, own) is None:
+        raise ValueError(f"--run_dir {args.run_dir} records no cfg_scale (written by an older version): pass --{own} "
+                         f"(a train_nft.py run on Qwen-Image without --true_cfg_scale sampled at 1.0, others at 4.0)")
+    return resolve_cfg_scale(family, args, args.run_cfg_scale)
 
 
 def check_batch_sizes(train_batch_size: int, mini_batch_prompts: int, n: int, micro_batch_size: int,
@@ -211,14 +224,12 @@ def check_batch_sizes(train_batch_size: int, mini_batch_prompts: int, n: int, mi
                          f"samples (ppo_mini_batch_size / world x rollout_n): use --micro_batch_size {fits}")
 
 
-
 def parse_lora_init(value: str) -> bool | str:
     """--lora_init_weights: 'gaussian' (verl-omni's default) or 'true'/'false' (peft's kaiming / zero A)."""
     lowered = value.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
     return value
-
 
 
 def check_rollout_lag(args) -> str | None:

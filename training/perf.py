@@ -22,15 +22,12 @@ def perf_metrics(num_images: int, step_time_s: float, num_gpus: int) -> dict[str
             "perf/throughput": float(num_images) / (max(step_time_s, 1e-9) * max(num_gpus, 1))}
 
 
-
 PEAK_TFLOPS_ENV = "FLOWRL_PEAK_TFLOPS"
-
 
 
 # dense bf16 peaks (TFLOP/s) by device name; the H200 value is verl-omni's VERL_OMNI_DEVICE_FLOPS_TFLOPS=989
 _PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0),
                 ("A800", 312.0), ("L40S", 362.0))
-
 
 
 def device_peak_flops(device: torch.device | str) -> float | None:
@@ -52,7 +49,6 @@ def device_peak_flops(device: torch.device | str) -> float | None:
     return next((tflops * 1e12 for key, tflops in _PEAK_TFLOPS if key in name), None)
 
 
-
 def rollout_device_count(rollout_devices: str) -> int:
     """Devices the rollout workers of the whole job run on: `--rollout_devices colocated` = the trainer GPUs
     (world size), else the per-node list times the number of nodes (WORLD_SIZE / LOCAL_WORLD_SIZE)."""
@@ -62,7 +58,6 @@ def rollout_device_count(rollout_devices: str) -> int:
     per_node = len([d for d in rollout_devices.split(",") if d.strip()])
     nodes = max(world // int(os.environ.get("LOCAL_WORLD_SIZE", world) or world), 1)
     return per_node * nodes
-
 
 
 def transformer_flops(model, cond, *, height: int, width: int, guided: bool) -> float:
@@ -81,7 +76,6 @@ def transformer_flops(model, cond, *, height: int, width: int, guided: bool) -> 
             raise ValueError("transformer_flops: guided=True but the conditioning has no negative prompt")
         flops += model.forward_flops(image_tokens, cond.negative.mask.sum(dim=1).tolist(), refs)
     return float(flops)
-
 
 
 def phase_perf_metrics(timings: Mapping[str, float], phases: Mapping[str, tuple[float, int]],

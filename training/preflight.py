@@ -1,7 +1,7 @@
 """Start-up checks that need no model: `setup_run` runs them before anything loads, so a bad flag, size, dataset
 row, output folder or judge stops the run within seconds with one message naming the flag, file or row and the fix.
 
-    run_preflight(args, world, cfg_defaults=...)  # rank 0 (setup_run shares the outcome with every rank); raises PreflightError
+    run_preflight(args, world, cfg_defaults=...)  # rank 0 (setup_run shares the outcome); raises PreflightError
 
 In order: the flags (`check_flags`: counts, timeouts, batch sizes against the world size, rollout_n >= 2 (the
 advantages are group-relative) and the micro-batch size, a negative reward weight without

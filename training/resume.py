@@ -34,7 +34,6 @@ class ResumePlan:
         return self.step + 1 if self.path else 0
 
 
-
 def _set_aside(paths: Sequence[str], previous_root: str, label: str) -> str:
     """Move `paths` (those that exist) into a new `<previous_root>/<UTC time>-<label>/`; return that folder."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -44,7 +43,6 @@ def _set_aside(paths: Sequence[str], previous_root: str, label: str) -> str:
         if os.path.lexists(path):
             os.rename(path, os.path.join(dest, os.path.basename(path)))
     return dest
-
 
 
 def _earlier_verified(path: str) -> str | None:
@@ -62,7 +60,6 @@ def _earlier_verified(path: str) -> str | None:
             continue
         return candidate
     return None
-
 
 
 def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any], adapter_names: Sequence[str],
@@ -108,7 +105,6 @@ def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any]
         messages.append(f"resuming from step {step}: moved the later checkpoint folders {later} (another history) "
                         f"aside to {dest}")
     return ResumePlan(path, step, tuple(messages))
-
 
 
 def prepare_resume(resume: str, ckpt_root: str, config: Mapping[str, Any], *,

@@ -50,7 +50,6 @@ RESUME_BLOCKING: frozenset[str] = frozenset({
 })
 
 
-
 RESUME_LOGGED: frozenset[str] = frozenset({
     # run length, checkpoints, logging, stops
     "resume", "resume_force", "total_training_steps", "save_freq", "keep_last", "log_every", "output_dir",
@@ -73,23 +72,19 @@ RESUME_LOGGED: frozenset[str] = frozenset({
 })
 
 
-
 RESUME_PATHS: dict[str, bool] = {
     "model_path": True, "train_files": True, "val_files": False, "genrm_model_path": True, "pickscore_path": True,
     "pickscore_processor_path": True,
 }
 
 
-
 CONTENT = "@content"
-
 
 
 # Keys left out of the config fingerprint (the default `ignore` of save / load); everything else, including any key
 # that is not classified above, is fingerprinted (fail closed).
 RESUME_MUTABLE_KEYS: tuple[str, ...] = tuple(sorted(
     RESUME_LOGGED | set(RESUME_PATHS) | {flag + CONTENT for flag, blocks in RESUME_PATHS.items() if not blocks}))
-
 
 
 def config_fingerprint(config: Mapping[str, Any], ignore: Iterable[str] = RESUME_MUTABLE_KEYS) -> tuple[str, dict[str, Any]]:
@@ -101,12 +96,10 @@ def config_fingerprint(config: Mapping[str, Any], ignore: Iterable[str] = RESUME
     return digest, values
 
 
-
 def _logged_values(config: Mapping[str, Any], ignore: Iterable[str]) -> dict[str, Any]:
     ignore = set(ignore)
     values = {k: config[k] for k in sorted(config) if k in ignore}
     return json.loads(json.dumps(values, sort_keys=True, default=str))
-
 
 
 def sha256_file(path: str) -> str:
@@ -120,11 +113,9 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-
 def _hash_files(root: str, rel_paths: Sequence[str]) -> dict[str, str]:
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(rel_paths)))) as pool:
         return dict(zip(rel_paths, pool.map(lambda rel: sha256_file(os.path.join(root, rel)), rel_paths)))
-
 
 
 def _dir_fingerprint(path: str) -> str:
@@ -148,7 +139,6 @@ def _dir_fingerprint(path: str) -> str:
     return digest.hexdigest()
 
 
-
 def path_fingerprint(path: str | None) -> str | None:
     """What a path flag points to: "sha256:<hex>" of a file's bytes, "dir:<hex>" of a folder (`_dir_fingerprint`),
     or the string itself when it is not a local path (a Hub id); None stays None."""
@@ -160,7 +150,6 @@ def path_fingerprint(path: str | None) -> str | None:
     if os.path.isdir(local):
         return "dir:" + _dir_fingerprint(local)
     return f"not a local path: {path}"
-
 
 
 def content_fingerprints(config: Mapping[str, Any]) -> dict[str, str | None]:

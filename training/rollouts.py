@@ -50,7 +50,6 @@ def submit_rollout(run, request, rows: Sequence[Any]) -> None:
                        consumer=(lambda payloads, sizes: RewardStream(scorer, payloads, sizes)) if overlap else None)
 
 
-
 def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, float], step: int | None = None):
     """This step's samples and their rewards: (RolloutResult, RewardResult) for this rank's `rows` x rollout_n, the
     same whether the rewards are scored while later chunks still sample (default) or after the whole rollout
@@ -115,7 +114,6 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
     return result, scored
 
 
-
 def log_rollout_images(logger, result, scored, rows: Sequence[Any], bad: Sequence[int], args, step: int) -> None:
     """TensorBoard `rollout/samples`: this rank's first --num_rollout_images training samples of `step` in whole
     groups (`rollout_grid`), each captioned with its reward (NaN, "not scored", for a non-finite sample in `bad`)
@@ -127,12 +125,10 @@ def log_rollout_images(logger, result, scored, rows: Sequence[Any], bad: Sequenc
     logger.log_image("rollout/samples", grid, step)
 
 
-
 def peek_batch(sampler):
     """The batch `sampler.next_batch()` will return next, without moving the sampler (its checkpointed cursor
     keeps counting completed steps only)."""
     return copy.copy(sampler).next_batch()
-
 
 
 def lag_next_rollout(step: int, args) -> bool:

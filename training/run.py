@@ -135,7 +135,6 @@ class Run:
     world: int
     logger: TensorBoardLogger
     model: Any                     # the FlowModel wrapper (transformer only: trainer ranks never encode or decode)
-    cfg_scale: float               # the CFG scale of rollout and replay (1.0 = unguided)
     adapter_names: tuple[str, ...]
     lora_config: Any
     num_lora_modules: int          # the rollout workers must bind exactly this many modules at every sync
@@ -355,6 +354,11 @@ class Run:
             self.fail_with_checkpoint(e, what, agreed=e is error or isinstance(e, RankFailed))
             raise
 
+    @property
+    def cfg_scale(self) -> float:
+        """The run's one CFG scale (rollout, replay, validation; 1.0 = unguided), resolved by `setup_run`."""
+        return self.args.cfg_scale
+
     def validate(self, step: int) -> dict[str, float]:
         """ODE validation on the test split (see `validate`). Collective.
 
@@ -472,8 +476,8 @@ class Run:
 def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str, float] | None = None) -> Run:
     """Both trainers' setup, in order: under torchrun, the parent watchdog (a rank whose agent died exits); the
     model-free start-up checks (`training.preflight`: flags, sizes, the run's CFG scale, every dataset row,
-    --init_adapter, output folder, judge; a refusal exits with its one line), distributed init (collective timeout from the flags); the run lock
-    of --output_dir (`lifecycle.RunLock`, rank 0); the console log file, the heartbeats (several ranks) and seeds;
+    --init_adapter, output folder, judge; a refusal exits with its one line), distributed init (collective timeout
+    from the flags); the run lock of --output_dir (`lifecycle.RunLock`, rank 0); the console log file, the heartbeats (several ranks) and seeds;
     `--resume` decided model-free (`prepare_output_dir`); TensorBoard and run metadata (config, versions, git
     commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2 (`default` from --init_adapter when
     given); AdamW and the lr schedule; train/val data, the sampler and the batch-size checks; the reward scorer;
@@ -540,7 +544,6 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     if rank == 0:
         print(f"loading the transformer from {model_path}", flush=True)
     model = load_flow_model(model_path, args, device)
-    scale = args.cfg_scale
     targets = args.lora_target_modules.split(",") if args.lora_target_modules else list(model.default_lora_targets)
     lora_config = prepare_transformer(
         model.transformer, block_prefixes=model.lora_block_prefixes, target_modules=targets,
@@ -557,8 +560,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.lr_scheduler, warmup_steps=args.lr_warmup_steps,
                                       total_steps=args.total_training_steps, min_lr_ratio=args.min_lr_ratio)
 
-    train_data = PromptDataset(args.train_files, guidance=scale > 1.0)
-    val_data = PromptDataset(args.val_files, guidance=scale > 1.0) if args.val_files else None
+    train_data = PromptDataset(args.train_files, guidance=args.cfg_scale > 1.0)
+    val_data = PromptDataset(args.val_files, guidance=args.cfg_scale > 1.0) if args.val_files else None
     sampler = PromptSampler(len(train_data), args.train_batch_size, seed=args.seed, rank=rank, world_size=world)
     mini_prompts = args.ppo_mini_batch_size or args.train_batch_size
     check_batch_sizes(args.train_batch_size, mini_prompts, args.rollout_n, args.micro_batch_size, world)
@@ -593,7 +596,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     if rank == 0:
         print(f"rollout: the workers are ready ({time.monotonic() - started:.1f} s)", flush=True)
     run = Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
-               cfg_scale=scale, adapter_names=tuple(adapter_names), lora_config=lora_config,
+               adapter_names=tuple(adapter_names), lora_config=lora_config,
                num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
                val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
                ckpt_root=ckpt_root, adapters_root=os.path.join(args.output_dir, "rollout_adapters"),

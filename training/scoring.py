@@ -30,12 +30,10 @@ def score_inputs(rows: Sequence[Any], n: int) -> dict[str, list]:
             "extra_infos": [row.extra_info for row in rows for _ in range(n)]}
 
 
-
 def score_samples(scorer, images: torch.Tensor, rows: Sequence[Any], n: int, bad: Sequence[int] = ()):
     """Rewards (B,) for this rank's samples (prompt-major, n per prompt), chosen by each row's data_source; the
     samples `bad` (non-finite, `nonfinite_rows`) are not scored (`score_finite`)."""
     return score_finite(scorer, images, score_inputs(rows, n), bad)
-
 
 
 def nonfinite_rows(result) -> list[int]:
@@ -47,7 +45,6 @@ def nonfinite_rows(result) -> list[int]:
         if torch.is_tensor(t) and t.is_floating_point():
             bad |= ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
     return [int(i) for i in torch.nonzero(bad).flatten()]
-
 
 
 def score_finite(scorer, images: torch.Tensor, inputs: dict[str, list], bad: Sequence[int] = ()):
@@ -73,7 +70,6 @@ def score_finite(scorer, images: torch.Tensor, inputs: dict[str, list], bad: Seq
         for j, i in enumerate(good):
             full.texts[key][i] = texts[j]
     return full
-
 
 
 class RewardStream:
@@ -164,14 +160,11 @@ class RewardStream:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-
 JUDGE_LOG = "judge_replies.jsonl"
-
 
 
 class JudgeRepliesEmpty(RuntimeError):
     """More than --judge_max_empty_frac of a step's judge replies were empty; the message names the replies' log."""
-
 
 
 def empty_reply_counts(scored) -> tuple[int, int]:
@@ -186,7 +179,6 @@ def empty_reply_counts(scored) -> tuple[int, int]:
     return int(flags[read].sum().item()), int(read.sum().item())
 
 
-
 def _sum_over_ranks(values: Sequence[float]) -> torch.Tensor:
     """`values` summed over every rank (one all_reduce of a float64 CPU tensor; as is without a process group)."""
     import torch.distributed as dist
@@ -195,7 +187,6 @@ def _sum_over_ranks(values: Sequence[float]) -> torch.Tensor:
     if dist.is_initialized() and get_world_size() > 1:
         dist.all_reduce(total)
     return total
-
 
 
 def judge_records(rows: Sequence[Any], n: int, scored, *, phase: str, step: int,
@@ -215,14 +206,12 @@ def judge_records(rows: Sequence[Any], n: int, scored, *, phase: str, step: int,
     return records
 
 
-
 def log_judge_replies(output_dir: str, records: Sequence[dict[str, Any]]) -> None:
     """Append every rank's `records` to <output_dir>/judge_replies.jsonl on rank 0 (one JSON object per line).
     Collective."""
     everyone = [r for part in all_gather_objects(list(records)) for r in part]
     if get_rank() == 0:
         append_judge_log(output_dir, everyone)
-
 
 
 def append_judge_log(output_dir: str, records: Sequence[dict[str, Any]]) -> None:
@@ -232,7 +221,6 @@ def append_judge_log(output_dir: str, records: Sequence[dict[str, Any]]) -> None
     if records:
         with open(os.path.join(output_dir, JUDGE_LOG), "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-
 
 
 def global_advantages(scored, n: int, *, global_std: bool, norm_by_std: bool,

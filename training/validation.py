@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from .distributed import get_rank, get_world_size
-from .logs import all_gather_objects, gather_first_images, image_grid, prompt_text, sample_caption, timer, validation_metrics
+from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, sample_caption, timer,
+                   validation_metrics)
 from .rollouts import rollout_request
 from .scoring import append_judge_log, nonfinite_rows, score_samples
 
@@ -28,7 +29,6 @@ class ValidationOutcome:
     images: torch.Tensor
     local_images: torch.Tensor
     first: int
-
 
 
 def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float) -> ValidationOutcome:
@@ -74,7 +74,6 @@ def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float) -
     metrics.update(timings)
     images = gather_first_images(result.images, start, args.num_val_images)
     return ValidationOutcome(metrics, samples, images, result.images, start)
-
 
 
 def validate(rollout_client, scorer, dataset, args, step: int, cfg_scale: float, logger) -> dict[str, float]:
