@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -181,6 +182,7 @@ def apply_lora(
     )
     peft_configs = getattr(transformer, "peft_config", None)
     peft_configs = dict(peft_configs) if isinstance(peft_configs, dict) else {}
+    _LAYERS_CACHE.pop(transformer, None)  # new LoRA layers: the next switch walks the modules again
     for name in adapter_names:
         if hasattr(transformer, "peft_config"):
             del transformer.peft_config  # peft warns about a pre-existing attribute; restored below
@@ -204,25 +206,44 @@ def apply_lora(
     return n
 
 
+# transformer -> its LoRA layers in module order, for the per-forward adapter switches (a module walk of a 60-block
+# transformer per switch cost the host ~10 ms, three switches per DiffusionNFT micro-step). Cleared by `apply_lora`.
+_LAYERS_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def cached_lora_layers(transformer: torch.nn.Module) -> tuple:
+    """`lora_layers(transformer).values()` as a tuple, walked once per transformer that has LoRA layers (adapters
+    injected later by `apply_lora` clear the entry; a transformer without any is walked again each time)."""
+    layers = _LAYERS_CACHE.get(transformer)
+    if layers is None:
+        layers = tuple(lora_layers(transformer).values())
+        if layers:
+            _LAYERS_CACHE[transformer] = layers
+    return layers
+
+
 def set_active_adapter(transformer: torch.nn.Module, adapter_name: str) -> None:
-    """Make `adapter_name` the active LoRA on every layer, keeping every requires_grad flag as it was
-    (peft's own set_adapter would make the newly active adapter trainable)."""
-    layers = lora_layers(transformer)
+    """Make `adapter_name` the active LoRA on every layer, keeping every requires_grad flag as it was.
+
+    The state peft's `LoraLayer.set_adapter` leaves (its `_active_adapter` list) without its side effect on
+    requires_grad (it would make the newly active adapter trainable), set directly on the cached layers: no module
+    walk, no parameter loop (tests/test_lora.py checks it against peft's own switch)."""
+    layers = cached_lora_layers(transformer)
     if not layers:
         raise ValueError("the transformer has no LoRA layers")
-    for path, layer in layers.items():
-        if adapter_name not in layer.lora_A:
-            raise ValueError(f"adapter {adapter_name!r} is missing on {path} (has {sorted(layer.lora_A)})")
-        flags = {id(p): p.requires_grad for p in layer.parameters()}
-        layer.set_adapter(adapter_name)
-        for p in layer.parameters():
-            p.requires_grad_(flags[id(p)])
+    missing = [layer for layer in layers if adapter_name not in layer.lora_A]
+    if missing:
+        raise ValueError(f"adapter {adapter_name!r} is missing on {len(missing)} LoRA layers "
+                         f"(e.g. one with {sorted(missing[0].lora_A)})")
+    for layer in layers:
+        layer._active_adapter = [adapter_name]
 
 
 @contextlib.contextmanager
 def lora_disabled(transformer: torch.nn.Module) -> Iterator[None]:
-    """Run the base model (all LoRA bypassed) inside the block, e.g. for a reference-model forward."""
-    layers = list(lora_layers(transformer).values())
+    """Run the base model (all LoRA bypassed) inside the block, e.g. for a reference-model forward (a no-op on a
+    transformer without LoRA layers)."""
+    layers = cached_lora_layers(transformer)
     before = [layer._disable_adapters for layer in layers]
     try:
         for layer in layers:

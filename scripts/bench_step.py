@@ -15,8 +15,9 @@ every trainer rank gets its recipe micro-batch; JSON-only JPEG compressibility r
 the judge; 512², 10 rollout steps, LoRA 64/128, activation checkpointing of every block):
   qwen_dppo  Qwen-Image, Flow-DPPO (verl-omni's recipe: true CFG 4, noise 1.2, window 2 in [0,5]); 16 images and
              micro 16 per trainer GPU;
-  qwen_nft   Qwen-Image, DiffusionNFT (verl-omni's recipe: no CFG, mix_beta 0.1, ref_kl_coef 1e-4); 16 images,
-             micro 8 per trainer GPU;
+  qwen_nft   Qwen-Image, DiffusionNFT (verl-omni's recipe: no CFG, mix_beta 0.1, ref_kl_coef 1e-4); 16 images
+             per trainer GPU, micro 16 (verl-omni's is 8: one micro-batch of 16 halves the host's work per image,
+             0.30 -> 0.35 images/GPU/s on one H200 with 26% of its memory free; docs/PERFORMANCE.md);
   boogu_nft  Boogu-Image-0.1-Base, DiffusionNFT (the seed recipe: guidance 4, mix_beta 0.1, ref_kl_coef 10,
              adv_clip_max 1); 12 images, micro 12 per trainer GPU.
 Configurations (the flags that differ; everything else is the recipe's):
@@ -41,12 +42,15 @@ differs. --baseline_json none measures no baseline (no ratios; e.g. a first prof
 baseline came from.
 
 --profile: each run records a torch.profiler trace (CPU + CUDA activities, no shapes / stacks / memory) of its last
-step (`--profile_step`, the step before it the profiler's warm-up) in every trainer rank and rollout worker, and the
-bench prints a table per trace: per phase (the trainers' timing_s/* phases, the rollout worker's `gen`, and the
-whole step) wall / device-busy / device-idle ms, the longest idle gap, the host reads (`.item()`) and syncs, and the
-top kernels by device time (`training.profile_table`); the tables go into the JSON (run["profile"]) and the gzipped
-traces to --profile_dir. The two profiled steps are left out of the timing means when another measured step
-remains (--profile's default --steps 4 with one warm-up step: step 2 is timed, 3-4 profiled).
+step (`--profile_step`): every trainer rank from the step's start to the end of its first --profile_micro_steps
+update micro-steps (`training.ProfileWindow`: a bounded window, so that the trace of a 20-micro-step Qwen-Image
+update takes seconds to write and read, not minutes), every rollout worker its generate call of that step. The bench
+prints a table per trace: per phase (the trainers' timing_s/* phases, the window's `update_window`, the rollout
+worker's `gen`, and the recorded step) wall / device-busy / device-idle ms, the longest idle gap, the device events,
+memory copies, host reads (`.item()`) and syncs, the top kernels by device time and which host code issued the
+copies (`training.profile_table`); the tables go into the JSON (run["profile"]) and the gzipped traces to
+--profile_dir. The profiled step is left out of the timing means when another measured step remains (--profile's
+default --steps 3 with one warm-up step: step 2 is timed, 3 profiled).
 
 What is reported per run (JSON at --out, rewritten after every run, so a killed call still returns the finished
 runs; also printed): images / GPU / s = images per step / (mean step time x every GPU the layout uses: trainer
@@ -121,7 +125,7 @@ def recipe_flags(recipe: str, per_gpu_images: int, trainer_ranks: int, smoke: bo
                  "1.2", "--sde_type", "sde", "--sde_window_size", "2", "--sde_window_range", "0,5" if not smoke
                  else "0,3", "--lr", "3e-4", "--weight_decay", "1e-4"]
     elif recipe == "qwen_nft":
-        n, micro = (2, 4) if smoke else (16, 8)
+        n, micro = (2, 4) if smoke else (16, 16)
         flags = ["--true_cfg_scale", "1.0", "--mix_beta", "0.1", "--ref_kl_coef", "1e-4", "--adv_clip_max", "5.0",
                  "--old_policy_decay_schedule", "delayed_linear_to_0_999", "--old_policy_update_interval", "2",
                  "--lr", "3e-4", "--weight_decay", "1e-4"]
@@ -353,7 +357,8 @@ def trainer_argv(recipe: str, config: str, model_path: str, train_files: str, ru
          "256", "--activation_checkpointing"]
     common = ["--model_path", model_path, "--train_files", train_files, "--rollout_devices", layout["rollout_devices"],
               "--total_training_steps", str(args.steps), "--save_freq", "1000000", "--resume", "never",
-              "--output_dir", run_dir, "--seed", "42"] + size + (["--profile_step", str(args.steps)] if args.profile
+              "--output_dir", run_dir, "--seed", "42"] + size + (["--profile_step", str(args.steps), "--profile_micro_steps",
+                                                                  str(args.profile_micro_steps)] if args.profile
                                                                  else [])
     # later flags win in argparse: the configuration's override the recipe's
     return common + flags + config_flags(config, recipe, blocks, args), layout, images
@@ -398,7 +403,7 @@ def run_config(recipe: str, config: str, model_path: str, train_files: str, out_
         scalars = read_scalars(run_dir)
     except Exception:  # noqa: BLE001 (a truncated event file)
         scalars = {}
-    profiled = (args.steps - 1, args.steps) if args.profile else ()
+    profiled = (args.steps,) if args.profile else ()
     summarize(run, scalars, progress_step_times(stdout), images, args.warmup_steps, profiled)
     if args.profile:
         run["profile"] = collect_profiles(run_dir, f"{recipe}-{config}", args.profile_dir, args.smoke)
@@ -411,8 +416,9 @@ def collect_profiles(run_dir: str, label: str, profile_dir: str, smoke: bool,
     each one's table (`training.profile_table`, CPU ops as the "device" in --smoke), printed and returned, and the
     gzipped trace kept in `profile_dir` as <label>-<name>.json.gz (the run folder is deleted afterwards); a trace
     larger than `max_bytes` is kept without its CPU ops (kernels, CUDA runtime calls and annotations remain), so
-    that it fits what a device call returns."""
-    from training.profiling import format_profile_table, load_trace, profile_table
+    that it fits what a device call returns. The traces are read in parallel processes (reading the JSON is most
+    of the time)."""
+    from concurrent.futures import ProcessPoolExecutor
 
     found = sorted(glob.glob(os.path.join(run_dir, "profile", "*.json.gz"))
                    + glob.glob(os.path.join(run_dir, "rollout_logs", "**", "profile-*.json.gz"), recursive=True))
@@ -421,27 +427,39 @@ def collect_profiles(run_dir: str, label: str, profile_dir: str, smoke: bool,
         out["error"] = "no trace written (the run ended before its profiled step?)"
         return out
     os.makedirs(profile_dir, exist_ok=True)
-    for path in found:
-        name = os.path.basename(path)[:-len(".json.gz")]
-        kept = os.path.join(profile_dir, f"{label}-{name}.json.gz")
-        events = load_trace(path)
-        slim = os.path.getsize(path) > max_bytes
-        if slim:
-            with gzip.open(kept, "wt", encoding="utf-8") as f:
-                json.dump({"traceEvents": [e for e in events if e.get("cat") != "cpu_op"]}, f)
-        else:
-            shutil.copyfile(path, kept)
-        out["traces"][name] = {"path": kept, "bytes": os.path.getsize(kept), "original_bytes": os.path.getsize(path),
-                               "cpu_ops_dropped": slim}
-        try:
-            table = profile_table(events, device="cpu" if smoke else "cuda")
-        except ValueError as e:  # e.g. a trace without device events: say so, keep the others
-            out["tables"][name] = {"error": str(e)}
-            continue
-        out["tables"][name] = dataclasses.asdict(table)
-        print(f"\nprofile {label} / {name} ({kept}, {os.path.getsize(kept) / 2**20:.1f} MiB"
-              f"{', CPU ops dropped' if slim else ''}):\n{format_profile_table(table)}", flush=True)
+    names = [os.path.basename(path)[:-len(".json.gz")] for path in found]
+    jobs = [(path, os.path.join(profile_dir, f"{label}-{name}.json.gz"), max_bytes, smoke)
+            for path, name in zip(found, names)]
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        results = list(pool.map(_read_profile, *zip(*jobs)))
+    for name, (trace, table, text) in zip(names, results):
+        out["traces"][name] = trace
+        out["tables"][name] = table
+        if text:
+            print(f"\nprofile {label} / {name} ({trace['path']}, {trace['bytes'] / 2**20:.1f} MiB"
+                  f"{', CPU ops dropped' if trace['cpu_ops_dropped'] else ''}):\n{text}", flush=True)
     return out
+
+
+def _read_profile(path: str, kept: str, max_bytes: int, smoke: bool) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """One trace of `collect_profiles`: (its kept copy's record, its table as a dict or {"error": ...}, the table
+    as text or "")."""
+    from training.profiling import format_profile_table, load_trace, profile_table
+
+    events = load_trace(path)
+    slim = os.path.getsize(path) > max_bytes
+    if slim:
+        with gzip.open(kept, "wt", encoding="utf-8", compresslevel=6) as f:
+            json.dump({"traceEvents": [e for e in events if e.get("cat") != "cpu_op"]}, f)
+    else:
+        shutil.copyfile(path, kept)
+    trace = {"path": kept, "bytes": os.path.getsize(kept), "original_bytes": os.path.getsize(path),
+             "cpu_ops_dropped": slim}
+    try:
+        table = profile_table(events, device="cpu" if smoke else "cuda")
+    except ValueError as e:  # e.g. a trace without device events: say so, keep the others
+        return trace, {"error": str(e)}, ""
+    return trace, dataclasses.asdict(table), format_profile_table(table)
 
 
 class _Null:
@@ -603,6 +621,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler trace of every run's last step, and its per-phase table (see above)")
     p.add_argument("--profile_dir", default=None, help="where the traces go (default: <--out>.profiles/)")
+    p.add_argument("--profile_micro_steps", type=int, default=2,
+                   help="update micro-steps in each trainer's trace (0 = the whole profiled step)")
     args = p.parse_args(argv)
     args.recipe = args.recipe or ["qwen_dppo"]
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -614,7 +634,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "baseline" not in args.configs and not args.baseline_json:
         p.error("--configs must include baseline (or take it from an earlier run with --baseline_json, or pass "
                 "--baseline_json none): every ratio is against a baseline of the same machine")
-    args.steps = args.steps or (2 if args.smoke else 4 if args.profile else 3)
+    args.steps = args.steps or (2 if args.smoke else 3)
     args.profile_dir = args.profile_dir or f"{os.path.splitext(args.out)[0]}.profiles"
     if args.steps <= args.warmup_steps:
         p.error(f"--steps ({args.steps}) must exceed --warmup_steps ({args.warmup_steps}) to measure anything")

@@ -181,6 +181,39 @@ def test_apply_lora_two_adapters_and_switching(qwen_dir, qwen_inputs):
     torch.testing.assert_close(run_transformer(t, qwen_inputs), with_default)
 
 
+def test_fast_adapter_switch_leaves_the_state_peft_leaves(qwen_dir, qwen_inputs):
+    """`set_active_adapter` sets the cached layers' active adapter directly (no module walk): every layer ends in
+    peft's own `set_adapter` state (active adapters) with the requires_grad flags untouched, the outputs follow the
+    switch, and LoRA layers injected later (a new adapter) are picked up, not served from a stale cache."""
+    t = fresh_qwen_transformer(qwen_dir)
+    apply_lora(t, QwenImageModel.default_lora_targets, rank=4, alpha=8,
+               block_prefixes=QwenImageModel.lora_block_prefixes, adapter_names=("default", "old"))
+    randomize_lora_(t, "default", seed=1)
+    randomize_lora_(t, "old", seed=2)
+    reference = copy.deepcopy(t)
+    flags = {k: p.requires_grad for k, p in t.named_parameters()}
+    for name in ("old", "default", "old"):
+        set_active_adapter(t, name)
+        for layer in lora_layers(reference).values():
+            layer.set_adapter(name)  # peft's switch (it also flips requires_grad; only the active list is compared)
+        ours, theirs = lora_layers(t), lora_layers(reference)
+        assert all(ours[k].active_adapters == theirs[k].active_adapters == [name] for k in ours)
+        assert {k: p.requires_grad for k, p in t.named_parameters()} == flags
+        torch.testing.assert_close(run_transformer(t, qwen_inputs), run_transformer(reference, qwen_inputs),
+                                   rtol=0, atol=0)
+    with pytest.raises(ValueError, match="adapter 'third' is missing on 24 LoRA layers"):
+        set_active_adapter(t, "third")
+    apply_lora(t, QwenImageModel.default_lora_targets, rank=4, alpha=8,
+               block_prefixes=QwenImageModel.lora_block_prefixes, adapter_names=("third",))
+    set_active_adapter(t, "third")  # the cache was cleared by the injection
+    assert all(layer.active_adapters == ["third"] for layer in lora_layers(t).values())
+    plain = fresh_qwen_transformer(qwen_dir)  # no LoRA: disabling is a no-op (evaluate.py's base), switching is not
+    with lora_disabled(plain):
+        pass
+    with pytest.raises(ValueError, match="no LoRA layers"):
+        set_active_adapter(plain, "default")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Translation
 # ---------------------------------------------------------------------------------------------------------------

@@ -146,6 +146,125 @@ def test_load_flow_model_reads_bf16_and_keeps_fp32_inputs(tiny_models):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# one trainer rank without FSDP2 (--fsdp auto)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def nft_micro_steps(model, optimizer, inputs, forward=None):
+    """DiffusionNFT's update pattern on `model`: per input, the `old` and reference forwards under no_grad, the
+    policy forward with grad, a loss using all three, backward; one AdamW step per pair of inputs. Returns every
+    output and the gradients before each step (full tensors)."""
+    forward = forward or model
+    outs, grads = [], []
+    for i, x in enumerate(inputs):
+        with torch.no_grad():
+            with T.use_adapter(_transformer(model), "old"):
+                v_old = forward(x)
+            with lora.lora_disabled(_transformer(model)):
+                v_ref = forward(x)
+        v = forward(x)
+        ((v.float() - v_old.float()).pow(2).mean() + v.float().pow(2).mean() + 1e-2 * v_ref.float().mean()).backward()
+        outs += [v.detach(), v_old, v_ref]
+        if i % 2 == 1:
+            grads.append([None if p.grad is None else T._full(p.grad).clone()
+                          for _, p in T.adapter_params(_transformer(model), "default")])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return outs, grads
+
+
+def _transformer(model):
+    return getattr(model, "transformer", model)
+
+
+def test_one_rank_placement_equals_fsdp2_bit_for_bit():
+    """--fsdp auto on one rank (no FSDP2: bf16 base in place, fp32 LoRA cast to bf16 in forward, the block inputs
+    cast as FSDP2 casts them) against FSDP2 at world size 1 under the same bf16 policy, with checkpointing, adapter
+    switches and two AdamW steps: every output, gradient and weight equal bit for bit; nothing is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    models = []
+    for mode in ("always", "auto"):
+        model = tiny(torch.bfloat16, shard=False, checkpoint_blocks=3)
+        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy(), device="cpu", fsdp=mode)
+        models.append(model)
+    fsdp, direct = models
+    assert not any(isinstance(p, DTensor) for p in direct.parameters())
+    assert all(p.dtype == torch.float32 for _, p in T.adapter_params(direct, "default"))
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 5, 4) for _ in range(4)]
+    results = [nft_micro_steps(m, T.build_optimizer(m, lr=1e-2), inputs) for m in models]
+    (outs_a, grads_a), (outs_b, grads_b) = results
+    assert all(o.dtype == torch.bfloat16 for o in outs_b)
+    assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
+    assert all(g.dtype == torch.float32 for step in grads_b for g in step)
+    assert all(torch.equal(a, b) for sa, sb in zip(grads_a, grads_b) for a, b in zip(sa, sb))
+    for (n, p), (_, q) in zip(T.adapter_params(fsdp, "default"), T.adapter_params(direct, "default")):
+        assert torch.equal(T._full(p), q), n
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])
+def test_one_rank_placement_of_both_families_equals_fsdp2(tiny_models, name):
+    """The real tiny models (Qwen-Image: complex RoPE; Boogu-Image: fp32 RoPE tables in a StreamContext, which
+    neither cast may touch) through their wrappers, prepared as a trainer prepares them (LoRA default + old, bf16
+    base, checkpointing of every block) with --fsdp always / auto: the NFT pattern's velocities equal bit for bit,
+    and so do the gradients, but for one documented case: a LoRA layer used twice in one forward (Boogu's shared
+    `to_out.0` of the double-stream blocks, applied to each stream). FSDP2 sums its two bf16 weight gradients in
+    bf16 and then casts; the one-rank path casts each to fp32 and sums in fp32: equal within bf16 rounding."""
+    from models import load_model
+
+    path = os.path.join(tiny_models, name)
+    prompt = load_model(path).encode_prompt(["a sign that says 'hello'"]).index([0, 0])
+    results = []
+    for mode in ("always", "auto"):
+        model = load_model(path, device="cpu", dtype=torch.bfloat16, transformer_only=True)
+        model.dtype = torch.float32
+        torch.manual_seed(1)
+        T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
+                            block_prefixes=model.lora_block_prefixes, adapter_names=("default", "old"))
+        with torch.no_grad():
+            for key, p in T.adapter_params(model.transformer, "default"):
+                if ".lora_B." in key:
+                    p.normal_(0, 0.05)
+        T.apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
+        T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu",
+                            fsdp=mode)
+        torch.manual_seed(3)
+        inputs = [model.prepare_noise(64, 64, [torch.Generator().manual_seed(s + 10 * i) for s in (1, 2)])
+                  for i in range(2)]
+        forward = lambda x: model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64)  # noqa
+        results.append(nft_micro_steps(model, T.build_optimizer(model.transformer, lr=1e-2), inputs, forward))
+    (outs_a, grads_a), (outs_b, grads_b) = results
+    assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
+    names = [key for key, _ in T.adapter_params(model.transformer, "default")]
+    differ = set()
+    for step_a, step_b in zip(grads_a, grads_b):
+        for key, a, b in zip(names, step_a, step_b):
+            assert (a is None) == (b is None), key
+            if a is not None and not torch.equal(a, b):
+                differ.add(key)
+                torch.testing.assert_close(b, a, rtol=2 ** -7, atol=2 ** -7 * float(a.abs().max()), msg=key)
+    shared = {key for key in names if key.startswith("double_stream_layers.") and ".to_out.0." in key}
+    assert differ <= shared and (name != "qwen_image" or not differ), sorted(differ)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads_b[0])
+
+
+def test_one_rank_placement_refuses_what_it_cannot_reproduce():
+    """An fp32 base under a bf16 policy (FSDP2 would cast it every forward) is refused with the flags to use; a
+    bad mode is refused; with no compute dtype (fp32 training) the model is only placed."""
+    model = tiny(torch.float32, shard=False)
+    with pytest.raises(ValueError, match="base_weights_dtype compute"):
+        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy(), device="cpu", fsdp="auto")
+    with pytest.raises(ValueError, match="--fsdp must be one of"):
+        T.shard_transformer(tiny(torch.bfloat16, shard=False), BLOCK_PREFIXES, fsdp="never")
+    plain = tiny(torch.float32, shard=False)
+    placed = tiny(torch.float32, shard=False)
+    T.shard_transformer(placed, BLOCK_PREFIXES, device="cpu", fsdp="auto")
+    x = torch.randn(2, 5, 4)
+    assert torch.equal(plain(x), placed(x)) and type(placed) is TinyFlowTransformer
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # selective activation checkpointing
 # ---------------------------------------------------------------------------------------------------------------
 

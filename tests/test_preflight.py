@@ -79,6 +79,12 @@ def test_bad_flags_and_sizes_are_refused(flags):
     refused(cli(**flags, val_max_samples=1), r"validation uses 1 prompt.* needs one per trainer rank \(2\)", world=2)
     refused(cli(**flags, rollout_timeout_s=1000, rollout_startup_timeout_s=10, collective_timeout_s=900),
             r"--collective_timeout_s 900 is not above --rollout_timeout_s \(1000 s\)")
+    # one GPU rank without FSDP2 computes with the stored base weights: an fp32 copy cannot be reproduced there
+    refused(cli(**flags, device="cuda", base_weights_dtype="fp32"), r"--base_weights_dtype fp32 with one trainer rank "
+            r"and --fsdp auto.*--base_weights_dtype compute .*or --fsdp always")
+    for ok in (dict(device="cuda", fsdp="always"), dict(device="cpu")):  # FSDP2 casts it; a CPU computes in fp32
+        T.run_preflight(train_dppo.parse_args(cli(**flags, base_weights_dtype="fp32", **ok)), 1)
+    T.run_preflight(train_dppo.parse_args(cli(**flags, device="cuda", base_weights_dtype="fp32")), 2)  # FSDP2
 
 
 def test_bad_dataset_rows_are_refused(flags, tmp_path):

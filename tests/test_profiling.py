@@ -84,6 +84,78 @@ def test_table_of_a_tiny_cpu_run(tmp_path):
     assert "top CPU op (self time)s in matmuls:" in text and "aten::mm" in text
 
 
+def test_memory_copies_counted_per_phase_with_what_issued_them():
+    """Each copy is linked to its runtime call by `correlation`, and the call to the innermost annotation and CPU op
+    of its thread: block numbers fold to N, so the same code in every block is one source; copies are counted per
+    phase; a copy whose call lies in no op is attributed to '-'."""
+    def runtime(ts, corr, tid=1):
+        return {**_x("cudaMemcpyAsync", "cuda_runtime", ts, 1, tid=tid), "args": {"correlation": corr}}
+
+    def copy(ts, corr):
+        return {**_x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", ts, 2, tid=7, pid=0),
+                "args": {"correlation": corr}}
+
+    events = [
+        _x("timing_s/profiled_step", "user_annotation", 0, 200),
+        _x("timing_s/update_window", "user_annotation", 50, 150),
+        _x("FSDP::pre_forward (transformer_blocks.3)", "user_annotation", 60, 30), _x("aten::copy_", "cpu_op", 62, 5),
+        runtime(63, 1), _x("aten::copy_", "cpu_op", 70, 5), runtime(71, 2),
+        _x("FSDP::pre_forward (transformer_blocks.12)", "user_annotation", 100, 30),
+        _x("aten::copy_", "cpu_op", 101, 5),
+        runtime(102, 3), runtime(140, 4),
+        _x("aten::mm", "cpu_op", 10, 5), runtime(12, 5),
+        copy(64, 1), copy(72, 2), copy(103, 3), copy(141, 4), copy(20, 5), _x("gemm", "kernel", 30, 10, tid=7, pid=0),
+    ]
+    table = profile_table(events, device="cuda")
+    rows = {r.phase: r for r in table.phases}
+    assert [r.phase for r in table.phases] == ["step", "update_window"]
+    assert (rows["step"].memcpys, rows["update_window"].memcpys) == (5, 4)
+    cut = profile_table(events + [_x("timing_s/update_actor", "user_annotation", 40, 400)], device="cuda")
+    assert {r.phase: r.wall_ms for r in cut.phases}["update_actor (cut)"] == 0.16  # open when the window stopped
+    assert (rows["step"].device_events, rows["update_window"].device_events) == (6, 4)
+    window = [(r.annotation, r.op, r.count) for r in table.memcpy_launchers if r.phase == "update_window"]
+    assert window == [("FSDP::pre_forward (transformer_blocks.N)", "aten::copy_", 3),
+                      ("timing_s/update_window", "-", 1)]
+    step = [(r.annotation, r.op, r.count) for r in table.memcpy_launchers if r.phase == "step"]
+    assert ("timing_s/profiled_step", "aten::mm", 1) in step
+    text = T.format_profile_table(table)
+    assert "memory copies in update_window issued by" in text and "3x  FSDP::pre_forward (transformer_blocks.N)" in text
+
+
+def test_profile_window_records_its_micro_steps_and_stops(tmp_path):
+    """The window records from `start` to the (K + 1)-th tick: its `update_window` phase holds exactly the K
+    micro-steps after the first tick (one matmul each), work after it is not recorded, and ticks after the stop or
+    outside a recording do nothing; K = 0 records until `stop`."""
+    a = torch.randn(64, 64)
+    path = str(tmp_path / "trainer.json.gz")
+    window = T.ProfileWindow(path, micro_steps=3, cuda=False)
+    window.tick()  # not recording: ignored
+    assert not window.recording
+    window.start()
+    torch.mm(a, a)  # before the first loss (the rollout wait, the first forwards)
+    for _ in range(6):
+        window.tick()
+        torch.mm(a, a)
+    assert not window.recording and window.ticks == 4
+    window.stop()  # idempotent
+    table = profile_table(load_trace(path), device="cpu")
+    rows = {r.phase: r for r in table.phases}
+    assert set(rows) == {"step", "update_window"}
+    counts = {(k.phase, k.name): k.count for k in table.kernels}
+    assert counts[("update_window", "aten::mm")] == 3 and counts[("step", "aten::mm")] == 4
+    whole = T.ProfileWindow(str(tmp_path / "whole.json.gz"), micro_steps=0, cuda=False)
+    whole.start()
+    for _ in range(5):
+        whole.tick()
+        torch.mm(a, a)
+    assert whole.recording
+    whole.stop()
+    table = profile_table(load_trace(str(tmp_path / "whole.json.gz")), device="cpu")
+    assert [(k.phase, k.name, k.count) for k in table.kernels if k.name == "aten::mm"] == [("step", "aten::mm", 5)]
+    with pytest.raises(ValueError, match="profile_micro_steps"):
+        T.ProfileWindow(path, micro_steps=-1, cuda=False)
+
+
 def test_attention_backend_math_keeps_the_numbers():
     """'auto' is no context at all (the path without the flag); 'math' gives exactly the math kernel's result,
     which differs from the CPU flash kernel auto picks by rounding only; a backend the device lacks raises."""

@@ -32,8 +32,9 @@ One module per section, read in this order (`import training as T` gives every p
 12. `validation.py`: ODE validation on the test split, one code path for training and scripts/evaluate.py.
 13. `preflight.py`: every start-up check that needs no model (flags, image size, every dataset row against the
    rewards, output folder, one judge request), run by `setup_run` before anything loads.
-14. `profiling.py`: `step_profiler` (a torch.profiler trace of one step, gzipped) and `profile_table`, the pure
-   per-phase table of device busy / idle time, host reads and top kernels read from such a trace.
+14. `profiling.py`: `step_profiler` (a torch.profiler trace of one step, gzipped; the rollout workers' generate
+   call), `ProfileWindow` (a trainer step up to its first K update micro-steps) and `profile_table`, the pure
+   per-phase table of device busy / idle time, host reads, memory copies (and what issued them) and top kernels.
 15. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
    the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, so each
@@ -54,8 +55,9 @@ from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_r
 # 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors (`_full`: not public, tests use it)
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter, transformer_blocks,
                     apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
-                    base_weight_dtype, cast_frozen_base_, shard_transformer, prepare_transformer, adapter_state_dict,
-                    load_adapter_state_, save_adapter_dir, adapter_config_dict, load_flow_model, _full)
+                    base_weight_dtype, cast_frozen_base_, FSDP_MODES, shard_transformer, place_on_one_rank,
+                    prepare_transformer, adapter_state_dict, load_adapter_state_, save_adapter_dir,
+                    adapter_config_dict, load_flow_model, _full)
 # 3. AdamW, lr schedules, the checked optimizer step, the `old` adapter refresh
 from .optim import (build_optimizer, LR_SCHEDULES, lr_multiplier, build_lr_scheduler, lr_scheduler_state,
                     load_lr_scheduler_state_, GradStepper, ema_adapter_, old_policy_refresh)
@@ -98,8 +100,8 @@ from .preflight import (PreflightError, run_preflight, check_flags, check_datase
                         probe_judge, rewards_used, check_reward_signs, check_rollout_devices, check_init_adapter,
                         truncated_prompts)
 # 14. torch.profiler trace of one step and its per-phase table
-from .profiling import (step_profiler, export_trace, load_trace, PhaseRow, KernelRow, ProfileTable, profile_table,
-                        format_profile_table, PHASE_PREFIX)
+from .profiling import (step_profiler, ProfileWindow, export_trace, load_trace, PhaseRow, KernelRow, LauncherRow,
+                        ProfileTable, profile_table, format_profile_table, PHASE_PREFIX, WINDOW_PHASE, STEP_PHASE)
 # 15. setup_run / Run: the setup and the tail of every step
 from .run import Run, setup_run, StopSignals, TrainingDiverged, prepare_output_dir, FATAL_SAVE_EXCLUDED
 # 16. the trainers' command line

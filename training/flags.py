@@ -72,6 +72,11 @@ def add_common_args(parser) -> None:
                    help="storage of the frozen base weights on trainer ranks: 'compute' = the --precision compute "
                         "dtype (bf16 on GPU: same numbers, half the memory), 'fp32' = an fp32 copy re-cast every "
                         "forward (the old path, for benchmarks); LoRA weights, grads and AdamW state stay fp32")
+    g.add_argument("--fsdp", default="auto", choices=["auto", "always"],
+                   help="'auto' = FSDP2 (fully_shard per block) when the trainer has several ranks; with ONE rank the "
+                        "transformer stays whole on its GPU with the same bf16 / fp32-gradient numbers and none of "
+                        "FSDP2's per-forward parameter copies (FSDP2 copies every tensor at every unshard even when "
+                        "it has nothing to shard); 'always' = FSDP2 at any size (the old path)")
     g = parser.add_argument_group("rollout")
     g.add_argument("--rollout_engine", default="native", choices=ENGINES)
     g.add_argument("--rollout_devices", default="cuda:3",
@@ -159,6 +164,10 @@ def add_common_args(parser) -> None:
                         "worker's N-th generate request, N = this step - the start step: the step's rollout unless "
                         "a validation or --rollout_policy_lag 1 sent requests in between); 0 = off. "
                         "scripts/bench_step.py --profile reads them")
+    g.add_argument("--profile_micro_steps", type=int, default=2,
+                   help="the trainer's trace of --profile_step ends after this many update micro-steps (one loss, "
+                        "its backward and the next forwards each), so that a long update costs seconds of tracing, "
+                        "not minutes; 0 = the whole step")
     g.add_argument("--judge_max_empty_frac", type=float, default=0.9,
                    help="stop the run when more than this fraction of a step's OCR judge replies are empty (a judge "
                         "that reads nothing trains on zeros); the message names <output_dir>/judge_replies.jsonl "

@@ -1,10 +1,12 @@
 """Model preparation: LoRA (peft) with named adapters, adapter switching, (selective) activation checkpointing, the
-frozen base weights in the compute dtype, FSDP2 `fully_shard` per block + root with a MixedPrecisionPolicy, and
-DTensor-aware gather / load of adapter tensors."""
+frozen base weights in the compute dtype, FSDP2 `fully_shard` per block + root with a MixedPrecisionPolicy (or, on
+one rank, `place_on_one_rank`: the same mixed precision without FSDP2), and DTensor-aware gather / load of adapter
+tensors."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import warnings
@@ -18,7 +20,8 @@ from .distributed import get_world_size, is_main_process
 __all__ = [
     "ADAPTER_DEFAULT", "ADAPTER_OLD", "adapter_params", "add_lora_adapters", "use_adapter", "transformer_blocks",
     "apply_activation_checkpointing", "checkpointed_block_indices", "mixed_precision_policy", "base_weight_dtype",
-    "cast_frozen_base_", "shard_transformer", "prepare_transformer", "adapter_state_dict", "load_adapter_state_",
+    "cast_frozen_base_", "FSDP_MODES", "shard_transformer", "place_on_one_rank", "prepare_transformer",
+    "adapter_state_dict", "load_adapter_state_",
     "save_adapter_dir", "adapter_config_dict", "load_flow_model",
 ]
 
@@ -105,10 +108,10 @@ def use_adapter(transformer: nn.Module, adapter: str) -> Iterator[None]:
     With activation checkpointing, backward RECOMPUTES block forwards with whatever adapter is active at backward
     time: call `backward()` outside `use_adapter` / `lora_disabled` blocks (i.e. with "default" active) and
     run the old / reference forwards under `torch.no_grad()`."""
-    layers = lora.lora_layers(transformer)
+    layers = lora.cached_lora_layers(transformer)
     if not layers:
         raise RuntimeError("use_adapter: the transformer has no LoRA layers (call add_lora_adapters first)")
-    previous = next(iter(layers.values())).active_adapters
+    previous = layers[0].active_adapters
     if len(previous) != 1:
         raise RuntimeError(f"use_adapter expects one active adapter, found {previous}")
     lora.set_active_adapter(transformer, adapter)
@@ -223,6 +226,9 @@ def cast_frozen_base_(transformer: nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
+FSDP_MODES = ("auto", "always")
+
+
 def shard_transformer(
     transformer: nn.Module,
     block_prefixes: Sequence[str],
@@ -230,22 +236,118 @@ def shard_transformer(
     mp_policy=None,
     device: torch.device | str | None = None,
     reshard_after_forward: bool = True,
+    fsdp: str = "always",
 ) -> nn.Module:
     """FSDP2: `fully_shard` every transformer block, then the root (embedders, norms, output projection).
 
     Parameters become DTensors sharded on dim 0 over all ranks of the default process group, on `device`'s type
     (default: where the parameters are now; an explicit mesh, because fully_shard's default mesh is CUDA whenever
     CUDA exists). Build the optimizer AFTER this.
+
+    fsdp: "always" = FSDP2 at any world size; "auto" = FSDP2 when there is more than one rank, `place_on_one_rank`
+    (the same mixed precision, no FSDP2) when there is one.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if fsdp not in FSDP_MODES:
+        raise ValueError(f"--fsdp must be one of {FSDP_MODES}, got {fsdp!r}")
     device = torch.device(device) if device is not None else next(transformer.parameters()).device
-    mesh = init_device_mesh(device.type, (get_world_size(),))
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    if fsdp == "auto" and get_world_size() == 1:
+        return place_on_one_rank(transformer, block_prefixes, param_dtype=mp_policy.param_dtype, device=device)
+    mesh = init_device_mesh(device.type, (get_world_size(),))
     for block in transformer_blocks(transformer, block_prefixes):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(transformer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    return transformer
+
+
+class ComputeDtypeLinear(nn.Linear):
+    """An nn.Linear that keeps its (fp32) parameters and computes in `compute_dtype`: y = x Wᵀ + b with W, b and x
+    cast to the compute dtype in forward. Autograd returns the compute-dtype gradient to W cast to W's dtype, i.e.
+    grad_W (fp32) = fp32(grad of the bf16 GEMM), accumulated in fp32 over backward passes. The LoRA A / B layers
+    of `place_on_one_rank` (their parameter names do not change)."""
+
+    compute_dtype: torch.dtype = torch.bfloat16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+
+def _cast_floating(value, dtype: torch.dtype, device: torch.device | None):
+    """`value` with every floating-point tensor inside dataclasses, tuples, lists, sets and dicts cast to `dtype`
+    (the containers FSDP2's cast_forward_inputs traverses; complex, integer and bool tensors keep their dtype, other
+    objects are left alone) and, when `device` is given, every tensor moved there (FSDP2's root moves its inputs to
+    the device)."""
+    if torch.is_tensor(value):
+        if device is not None and value.device != device:
+            value = value.to(device)
+        return value.to(dtype) if dtype is not None and value.is_floating_point() and value.dtype != dtype else value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _cast_floating(getattr(value, f.name), dtype, device)
+                                             for f in dataclasses.fields(value) if f.init})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_cast_floating(v, dtype, device) for v in value))
+    if isinstance(value, (tuple, list, set)):
+        return type(value)(_cast_floating(v, dtype, device) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _cast_floating(v, dtype, device)) for k, v in value.items())
+    return value
+
+
+def place_on_one_rank(transformer: nn.Module, block_prefixes: Sequence[str], *, param_dtype: torch.dtype | None,
+                      device: torch.device | str) -> nn.Module:
+    """One trainer rank: the whole transformer on `device`, with the numbers of FSDP2's MixedPrecisionPolicy
+    (`param_dtype`, fp32 gradient reduction) and none of its per-forward copies.
+
+    FSDP2 shards nothing when the world size is 1, yet every unshard of a block copies each of its parameters into a
+    new buffer, one copy per tensor, and casts the fp32 LoRA tensors again (80 copies and 48 casts per Qwen-Image
+    block; DiffusionNFT unshards every block 4 times per micro-batch and timestep), all issued by a Python loop per
+    parameter. Here instead:
+      - the frozen base weights are used in place; they must already be in `param_dtype` (`cast_frozen_base_`);
+      - every other floating parameter (the fp32 LoRA A / B tensors) lives in a `ComputeDtypeLinear`, which casts
+        it to `param_dtype` in forward; its gradient comes back in fp32, as FSDP2's reduce_dtype=fp32 gives it;
+        peft's cast of a LoRA input to the LoRA weight's dtype is turned off (the input already has `param_dtype`,
+        as it has under FSDP2, where the unsharded LoRA weight is bf16);
+      - the root and every block cast the floating tensors of their arguments to `param_dtype` before forward
+        (FSDP2's cast_forward_inputs), and the root moves its tensor arguments to the device (FSDP2's root does).
+    param_dtype None (fp32 training, CPU): the transformer is only moved. Equal to FSDP2 at world size 1 bit for bit
+    (tests/test_performance.py), but for the gradient of a LoRA layer applied twice in one forward (Boogu's shared
+    `to_out.0`): FSDP2 sums the two bf16 weight gradients in bf16, here each is cast and the sum is fp32. Apply
+    after activation checkpointing; build the optimizer after this."""
+    from peft.tuners.lora import LoraLayer
+
+    device = torch.device(device)
+    transformer.to(device)
+    if param_dtype is None:
+        return transformer
+    for module in transformer.modules():
+        if isinstance(module, LoraLayer):
+            module.cast_input_dtype_enabled = False
+            for linear in list(module.lora_A.values()) + list(module.lora_B.values()):
+                if type(linear) is not nn.Linear:
+                    raise TypeError(f"LoRA layer {type(linear).__name__} is not an nn.Linear; one-rank placement "
+                                    "supports linear LoRA only (use --fsdp always)")
+                linear.__class__ = ComputeDtypeLinear
+                linear.compute_dtype = param_dtype
+    lora_modules = {id(m) for m in transformer.modules() if isinstance(m, ComputeDtypeLinear)}
+    stray = [n for n, m in transformer.named_modules() if id(m) not in lora_modules
+             for _, p in m.named_parameters(recurse=False) if p.is_floating_point() and p.dtype != param_dtype]
+    if stray:
+        raise ValueError(f"one-rank placement needs the frozen base weights in {param_dtype} (--base_weights_dtype "
+                         f"compute), found {stray[:3]} in another dtype; or use --fsdp always")
+
+    def cast_inputs(to_device: torch.device | None):
+        def hook(module, args, kwargs):
+            return _cast_floating(args, param_dtype, to_device), _cast_floating(kwargs, param_dtype, to_device)
+        return hook
+
+    transformer.register_forward_pre_hook(cast_inputs(device if device.type != "cpu" else None), with_kwargs=True)
+    for block in transformer_blocks(transformer, block_prefixes):
+        block.register_forward_pre_hook(cast_inputs(None), with_kwargs=True)
     return transformer
 
 
@@ -263,10 +365,11 @@ def prepare_transformer(
     init_lora_weights: bool | str = "gaussian",
     checkpoint_blocks: int | None = None,
     base_weights: str = "compute",
+    fsdp: str = "always",
 ):
     """LoRA -> frozen base weights to `base_weight_dtype(device, precision, base_weights)` -> (activation
-    checkpointing of all blocks, or of `checkpoint_blocks` of them) -> FSDP2, in that order; returns the
-    `LoraConfig`.
+    checkpointing of all blocks, or of `checkpoint_blocks` of them) -> FSDP2 (or, with fsdp="auto" on one rank,
+    `place_on_one_rank`), in that order; returns the `LoraConfig`.
 
     For a FlowModel `m`: `prepare_transformer(m.transformer, block_prefixes=m.lora_block_prefixes,
     target_modules=m.default_lora_targets, ...)`. The base weights are frozen; with two adapter names (DiffusionNFT)
@@ -288,7 +391,7 @@ def prepare_transformer(
     if activation_checkpointing or checkpoint_blocks is not None:
         apply_activation_checkpointing(transformer, block_prefixes, checkpoint_blocks)
     shard_transformer(transformer, block_prefixes, mp_policy=mixed_precision_policy(torch.device(device), precision),
-                      device=device)
+                      device=device, fsdp=fsdp)
     return config
 
 

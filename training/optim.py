@@ -158,6 +158,7 @@ class GradStepper:
     _loss_problem: str = field(default="", repr=False)
     _finite: torch.Tensor | None = field(default=None, repr=False)  # device flag of the sync=False losses
     _batch_problem: str = field(default="", repr=False)
+    on_loss: Callable[[], None] | None = field(default=None, repr=False)  # `ProfileWindow.tick` while profiling
 
     def reject_batch(self, reason: str) -> None:
         """The current rollout batch cannot be trained on (`reason`, e.g. non-finite samples): every `step` until
@@ -171,7 +172,10 @@ class GradStepper:
         numbers; bad arguments still raise) is recorded, and its loss and metrics are returned: the trainer
         back-propagates it like any other, so every rank runs the same FSDP collectives, and `step` then skips.
         A loss called with ``sync=False`` raises nothing: its `LossMetrics.finite` flag is and-ed on the device
-        and read once, by `step`, with the same outcome (the step skipped)."""
+        and read once, by `step`, with the same outcome (the step skipped). `on_loss`, when set, is called first
+        (the profiler window counts the update's micro-steps by it)."""
+        if self.on_loss is not None:
+            self.on_loss()
         try:
             loss, metrics = loss_fn(*args, **kwargs)
         except losses.NonFiniteLossError as e:

@@ -41,7 +41,7 @@ def check_flags(args, world: int) -> None:
     """Counts, timeouts and batch sizes (`check_batch_sizes`) of the run with `world` trainer ranks, and the
     collective timeout (`collective_timeout_s`)."""
     from .distributed import collective_timeout_s
-    from .flags import check_batch_sizes
+    from .flags import check_batch_sizes, resolve_device
 
     at_least = {"train_batch_size": 1, "rollout_n": 1, "micro_batch_size": 1, "ppo_epochs": 1,
                 "total_training_steps": 1, "save_freq": 1, "log_every": 1, "num_inference_steps": 1,
@@ -69,6 +69,11 @@ def check_flags(args, world: int) -> None:
         raise PreflightError(f"--judge_max_empty_frac {empty}: must be in [0, 1] (1 = never stop)")
     check_reward_signs(args)
     check_rollout_devices(args)
+    if (world == 1 and getattr(args, "fsdp", "always") == "auto" and args.base_weights_dtype == "fp32"
+            and args.precision == "bf16" and resolve_device(args.device) != "cpu"):
+        raise PreflightError("--base_weights_dtype fp32 with one trainer rank and --fsdp auto: the one-rank placement "
+                             "computes with the frozen weights as stored, so they must be in the compute dtype; pass "
+                             "--base_weights_dtype compute (same numbers, half the memory) or --fsdp always")
     if args.ppo_mini_batch_size is not None and args.ppo_mini_batch_size < 1:
         raise PreflightError(f"--ppo_mini_batch_size {args.ppo_mini_batch_size}: must be >= 1 (or unset = "
                              f"--train_batch_size)")

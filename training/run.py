@@ -4,7 +4,6 @@ checkpoint), so each trainer file holds only its algorithm."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import signal
 import socket
@@ -22,7 +21,7 @@ from .distributed import (RankFailed, cleanup_distributed, collective_timeout_s,
                           on_rank0, raise_if_any_rank_failed, seed_everything)
 from .lifecycle import RunLock, RunLockError, install_collective_explainer, start_heartbeats, watch_parent
 from .preflight import PreflightError, check_flags, run_preflight
-from .profiling import step_profiler
+from .profiling import ProfileWindow
 from .model import ADAPTER_DEFAULT, adapter_params, load_flow_model, prepare_transformer
 from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
@@ -172,23 +171,29 @@ class Run:
         together whether a stop was asked for (SIGTERM/SIGINT on any rank, --max_wall_time_s) and, if so, ends the
         run at this step boundary (`_stop`), so all ranks stop at the same step. --max_wall_time_s counts from the
         first step of this process (set-up, model loading and validation before training excluded), so at least
-        one step runs. The loop runs under --attention_backend and, with --profile_step, under the profiler that
-        records that step (`training.step_profiler`, <output_dir>/profile/trainer-rank<r>.json.gz)."""
+        one step runs. The loop runs under --attention_backend; with --profile_step the profiler records that step from
+        its start to the end of its first --profile_micro_steps update micro-steps (`training.ProfileWindow`,
+        <output_dir>/profile/trainer-rank<r>.json.gz)."""
         args = self.args
         self.started_at = time.monotonic()
         if self.start_step >= args.total_training_steps and self.rank == 0:
             print(f"nothing to do: the run is at step {self.start_step}, --total_training_steps is "
                   f"{args.total_training_steps}", flush=True)
         profiling = self.start_step < args.profile_step <= args.total_training_steps
-        profiler = step_profiler(os.path.join(args.output_dir, "profile", f"trainer-rank{self.rank}.json.gz"),
-                                 step=args.profile_step, first_step=self.start_step + 1,
-                                 cuda=self.device.type == "cuda") if profiling else contextlib.nullcontext()
-        with attention_backend(args.attention_backend), profiler:
+        window = ProfileWindow(os.path.join(args.output_dir, "profile", f"trainer-rank{self.rank}.json.gz"),
+                               micro_steps=args.profile_micro_steps, cuda=self.device.type == "cuda")
+        with attention_backend(args.attention_backend):
             for step in range(self.start_step + 1, args.total_training_steps + 1):
                 self._maybe_stop(step - 1)
-                yield step
-                if profiling:
-                    profiler.step()
+                if profiling and step == args.profile_step:
+                    window.start()
+                    self.stepper.on_loss = window.tick
+                try:
+                    yield step
+                finally:
+                    if window.recording:
+                        self.stepper.on_loss = None
+                        window.stop()
         if self.rank == 0 and args.total_training_steps > self.start_step:  # the last step's tail is done
             print(run_summary(self.start_step + 1, args.total_training_steps, time.monotonic() - self.started_at,
                               self.last_val_metrics, self.last_checkpoint, args.output_dir), flush=True)
@@ -550,7 +555,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, adapter_names=adapter_names, device=device,
         precision=args.precision, activation_checkpointing=args.activation_checkpointing,
         init_lora_weights=parse_lora_init(args.lora_init_weights),
-        checkpoint_blocks=args.activation_checkpointing_blocks, base_weights=args.base_weights_dtype)
+        checkpoint_blocks=args.activation_checkpointing_blocks, base_weights=args.base_weights_dtype, fsdp=args.fsdp)
     num_lora_modules = len(lora.lora_layers(model.transformer, ADAPTER_DEFAULT))
     load_init_adapter(model.transformer, args.init_adapter, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                       expected_modules=num_lora_modules)  # --init_adapter (a no-op without it)
