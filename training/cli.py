@@ -19,7 +19,7 @@ import traceback
 from typing import Callable, Iterable, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
-from .distributed import RankFailed, get_local_rank, launch_rank
+from .distributed import RankFailed, cleanup_distributed, get_local_rank, launch_rank
 from .lifecycle import RunLockError, collective_explanation
 from .logs import HelpFormatter, log_only
 from .preflight import PreflightError
@@ -90,4 +90,14 @@ def run_cli(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | 
                 sys.stderr.write(f"{prefix}{explanation}\n")
             sys.stderr.write(f"{prefix}error: {one_line_error(error)}{where}\n")
             sys.stderr.flush()
+        if isinstance(error, REFUSALS):  # every rank refused alike, no collective is in flight: leave the group
+            _leave_process_group()  # (exiting with it alive has aborted a rank with "terminate called ...")
         raise SystemExit(1) from None
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group before a refusal exits; a failure here never replaces the refusal's own line."""
+    try:
+        cleanup_distributed()
+    except Exception:  # noqa: BLE001
+        pass
