@@ -201,6 +201,12 @@ def test_one_rank_placement_equals_fsdp2_bit_for_bit():
     assert all(torch.equal(a, b) for sa, sb in zip(grads_a, grads_b) for a, b in zip(sa, sb))
     for (n, p), (_, q) in zip(T.adapter_params(fsdp, "default"), T.adapter_params(direct, "default")):
         assert torch.equal(T._full(p), q), n
+    # a block called with an fp32 argument: FSDP2 casts it to bf16 before the block's bf16 weights see it; so must
+    # the one-rank placement (without its block hook the bf16 base Linear would refuse the fp32 input)
+    h = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        out_fsdp, out_direct = fsdp.blocks[1](h), direct.blocks[1](h)
+    assert out_direct.dtype == torch.bfloat16 and torch.equal(out_fsdp, out_direct)
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])

@@ -55,7 +55,8 @@ from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_r
 # 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors (`_full`: not public, tests use it)
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter, transformer_blocks,
                     apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
-                    base_weight_dtype, cast_frozen_base_, FSDP_MODES, shard_transformer, place_on_one_rank,
+                    base_weight_dtype, cast_frozen_base_, FSDP_MODES, shard_transformer, ComputeDtypeLinear,
+                    place_on_one_rank,
                     prepare_transformer, adapter_state_dict, load_adapter_state_, save_adapter_dir,
                     adapter_config_dict, load_flow_model, _full)
 # 3. AdamW, lr schedules, the checked optimizer step, the `old` adapter refresh

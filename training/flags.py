@@ -12,6 +12,7 @@ from engines.contract import ENGINES
 from models.base import ATTENTION_BACKENDS
 
 from .adapters import adapter_arg
+from .model import FSDP_MODES
 from .optim import LR_SCHEDULES
 
 __all__ = ["add_common_args", "resolve_device", "resolve_cfg_scale", "run_dir_cfg_scale", "check_batch_sizes",
@@ -72,7 +73,7 @@ def add_common_args(parser) -> None:
                    help="storage of the frozen base weights on trainer ranks: 'compute' = the --precision compute "
                         "dtype (bf16 on GPU: same numbers, half the memory), 'fp32' = an fp32 copy re-cast every "
                         "forward (the old path, for benchmarks); LoRA weights, grads and AdamW state stay fp32")
-    g.add_argument("--fsdp", default="auto", choices=["auto", "always"],
+    g.add_argument("--fsdp", default="auto", choices=FSDP_MODES,
                    help="'auto' = FSDP2 (fully_shard per block) when the trainer has several ranks; with ONE rank the "
                         "transformer stays whole on its GPU with the same bf16 / fp32-gradient numbers and none of "
                         "FSDP2's per-forward parameter copies (FSDP2 copies every tensor at every unshard even when "

@@ -20,7 +20,8 @@ from .distributed import get_world_size, is_main_process
 __all__ = [
     "ADAPTER_DEFAULT", "ADAPTER_OLD", "adapter_params", "add_lora_adapters", "use_adapter", "transformer_blocks",
     "apply_activation_checkpointing", "checkpointed_block_indices", "mixed_precision_policy", "base_weight_dtype",
-    "cast_frozen_base_", "FSDP_MODES", "shard_transformer", "place_on_one_rank", "prepare_transformer",
+    "cast_frozen_base_", "FSDP_MODES", "shard_transformer", "ComputeDtypeLinear", "place_on_one_rank",
+    "prepare_transformer",
     "adapter_state_dict", "load_adapter_state_",
     "save_adapter_dir", "adapter_config_dict", "load_flow_model",
 ]

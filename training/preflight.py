@@ -26,6 +26,8 @@ import time
 import uuid
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from .flags import resolve_cfg_scale
 
 __all__ = ["PreflightError", "run_preflight", "check_flags", "check_datasets", "check_rewards", "check_output_dir",
@@ -42,6 +44,7 @@ def check_flags(args, world: int) -> None:
     collective timeout (`collective_timeout_s`)."""
     from .distributed import collective_timeout_s
     from .flags import check_batch_sizes, resolve_device
+    from .model import base_weight_dtype, mixed_precision_policy
 
     at_least = {"train_batch_size": 1, "rollout_n": 1, "micro_batch_size": 1, "ppo_epochs": 1,
                 "total_training_steps": 1, "save_freq": 1, "log_every": 1, "num_inference_steps": 1,
@@ -69,8 +72,10 @@ def check_flags(args, world: int) -> None:
         raise PreflightError(f"--judge_max_empty_frac {empty}: must be in [0, 1] (1 = never stop)")
     check_reward_signs(args)
     check_rollout_devices(args)
-    if (world == 1 and getattr(args, "fsdp", "always") == "auto" and args.base_weights_dtype == "fp32"
-            and args.precision == "bf16" and resolve_device(args.device) != "cpu"):
+    device = torch.device(resolve_device(args.device))
+    compute = mixed_precision_policy(device, args.precision).param_dtype  # None: no cast (fp32 or CPU)
+    if (world == 1 and getattr(args, "fsdp", "always") == "auto" and compute is not None
+            and base_weight_dtype(device, args.precision, args.base_weights_dtype) != compute):
         raise PreflightError("--base_weights_dtype fp32 with one trainer rank and --fsdp auto: the one-rank placement "
                              "computes with the frozen weights as stored, so they must be in the compute dtype; pass "
                              "--base_weights_dtype compute (same numbers, half the memory) or --fsdp always")

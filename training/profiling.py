@@ -47,11 +47,16 @@ def step_profiler(path: str, *, step: int, first_step: int, cuda: bool) -> torch
     if step < first_step:
         raise ValueError(f"profile step {step} comes before the loop's first step {first_step}")
     warmup = 1 if step > first_step else 0
+    return _profiler(cuda, schedule=torch.profiler.schedule(wait=step - first_step - warmup, warmup=warmup, active=1,
+                                                            repeat=1),
+                     on_trace_ready=lambda prof: export_trace(prof, path))
+
+
+def _profiler(cuda: bool, **kwargs: Any) -> torch.profiler.profile:
+    """The project's profiler settings: CPU (+ CUDA when `cuda`) activities, no shapes, memory or stacks."""
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    return torch.profiler.profile(
-        activities=activities, record_shapes=False, profile_memory=False, with_stack=False,
-        schedule=torch.profiler.schedule(wait=step - first_step - warmup, warmup=warmup, active=1, repeat=1),
-        on_trace_ready=lambda prof: export_trace(prof, path))
+    return torch.profiler.profile(activities=activities, record_shapes=False, profile_memory=False, with_stack=False,
+                                  **kwargs)
 
 
 class ProfileWindow:
@@ -88,10 +93,7 @@ class ProfileWindow:
         self._ranges.append(rf)
 
     def start(self) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda
-                                                              else [])
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=False, profile_memory=False,
-                                            with_stack=False)
+        self._prof = _profiler(self.cuda)
         self._prof.start()
         self._open(STEP_PHASE)
 
@@ -238,8 +240,7 @@ def profile_table(events: Sequence[Mapping[str, Any]], *, device: str = "cuda", 
     so "idle" is time no op ran (Python and the loop's own overhead). Phases: every `timing_s/<name>` annotation
     and the profiled step ("step"), ordered by first start; a phase's windows are summed; a phase that outlasts the
     recorded step (still open when a `ProfileWindow` stopped, e.g. the update) is clipped to it and named
-    "<phase> (cut)". `top` kernels per phase
-    by self time. Raises ValueError when the trace holds no phase or no device event of the kind asked for."""
+    "<phase> (cut)". `top` kernels per phase by self time. Raises ValueError when the trace holds no phase or no device event of the kind asked for."""
     if device not in DEVICE_CATEGORIES:
         raise ValueError(f"device must be one of {sorted(DEVICE_CATEGORIES)}, got {device!r}")
     windows = _windows(events)
@@ -334,8 +335,8 @@ def _memcpy_launchers(events: Sequence[Mapping[str, Any]]) -> list[tuple[float, 
                 i += 1
             while stack and stack[-1][1] < ts:
                 stack.pop()
-            annotation = next((s[2] for s in reversed(stack) if s[3] and s[1] >= ts), "-")
-            op = next((s[2] for s in reversed(stack) if not s[3] and s[1] >= ts), "-")
+            annotation = next((s[2] for s in reversed(stack) if s[3]), "-")  # the stack holds what encloses ts
+            op = next((s[2] for s in reversed(stack) if not s[3]), "-")
             out.append((starts[correlation], (re.sub(r"\d+", "N", annotation), re.sub(r"\d+", "N", op))))
     return out
 
