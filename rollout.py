@@ -179,6 +179,7 @@ class RolloutGroup:
     back chunk by chunk (`submit`), gathered in order. A worker that dies, fails or exceeds `timeout_s` stops the
     group with a `RolloutError` carrying its stderr tail; `close()` (also on Ctrl-C, at exit, or when the parent
     dies) leaves no process behind. attention_backend: the workers' SDPA backend (`models.base.attention_backend`);
+    compile_blocks: a native engine compiles its transformer blocks (`models.base.compile_blocks`);
     profile_generate N > 0: each worker records a torch.profiler trace of its N-th generate request into
     `log_dir`/profile-worker-<index>.json.gz (`training.step_profiler`).
     """
@@ -187,7 +188,8 @@ class RolloutGroup:
                  max_batch_size: int = 8, timeout_s: float = 1800.0, startup_timeout_s: float = 1800.0,
                  log_dir: str | None = None, threads_per_worker: int = 0, env: dict[str, str] | None = None,
                  cfg_batch: bool = False, ipc_sources: Sequence[int | None] | None = None,
-                 python: str | None = None, attention_backend: str = "auto", profile_generate: int = 0) -> None:
+                 python: str | None = None, attention_backend: str = "auto", profile_generate: int = 0,
+                 compile_blocks: bool = False) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown rollout engine {engine!r}; choose from {ENGINES}")
         if not devices:
@@ -213,7 +215,8 @@ class RolloutGroup:
                            "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
                            "--threads", str(threads_per_worker), "--attention-backend", attention_backend,
                            "--parent-pid", str(os.getpid())] \
-                    + (["--cfg-batch"] if cfg_batch else []) + (["--profile-generate", str(profile_generate),
+                    + (["--cfg-batch"] if cfg_batch else []) + (["--compile-blocks"] if compile_blocks else []) \
+                    + (["--profile-generate", str(profile_generate),
                        "--profile-path", os.path.join(self.log_dir, f"profile-worker-{index}.json.gz")]
                       if profile_generate > 0 else [])
                 # unbuffered: select() on the pipe then sees every byte the worker wrote

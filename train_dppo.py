@@ -140,10 +140,12 @@ def main(argv=None) -> None:
         if args.old_log_probs == "recompute":
             old_log_probs = torch.empty(n_local, num_w, device=device)
             old_means = torch.empty_like(window.latents[:, 1:])
-            with T.timer("old_log_prob", timings), torch.no_grad():
+            # compiled blocks round a no-grad graph differently from the update's graph: replay with grad (outputs
+            # detached) so the first update's ratio stays exactly 1 (models.base.compile_blocks)
+            with T.timer("old_log_prob", timings), torch.set_grad_enabled(args.compile == "blocks"):
                 for mb in T.micro_batches(0, n_local, args.micro_batch_size, device):
                     for j, out in replay(model, window, mb, scale, args):
-                        old_log_probs[mb, j], old_means[mb, j] = out.log_prob, out.prev_sample_mean
+                        old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
             first_pass = None
         else:
             if result.all_means is None:

@@ -47,8 +47,10 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_batch_size: int = 8, cfg_batch: bool = False, **model_kwargs: Any) -> None:
+                 max_batch_size: int = 8, cfg_batch: bool = False, compile_blocks: bool = False,
+                 **model_kwargs: Any) -> None:
         from models import load_model
+        from models.base import compile_blocks as compile_transformer_blocks
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -56,6 +58,8 @@ class NativeEngine:
         # replay must use the same mode (it is reported in every result's metadata as "cfg_batch").
         self.model = load_model(model_path, device=device, dtype=dtype, cfg_batch=cfg_batch, **model_kwargs)
         self.model.transformer.requires_grad_(False)
+        if compile_blocks:  # the adapter, bound later, recompiles each block class once
+            compile_transformer_blocks(self.model.transformer, self.model.lora_block_prefixes)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.adapter_version: str | None = None

@@ -173,6 +173,8 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cfg-batch", action="store_true",
                         help="run CFG as one transformer forward over [cond ; uncond] instead of two")
     parser.add_argument("--attention-backend", default="auto", help="SDPA backend (models.base.attention_backend)")
+    parser.add_argument("--compile-blocks", action="store_true",
+                        help="native engine: torch.compile each transformer block (models.base.compile_blocks)")
     parser.add_argument("--profile-generate", type=int, default=0,
                         help="record a torch.profiler trace of the N-th generate request (0 = off)")
     parser.add_argument("--profile-path", default="", help="where that trace goes (gzipped Chrome JSON)")
@@ -199,7 +201,8 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
         return
     try:
         engine = build_engine(args.engine, args.model_path, device=args.device, dtype=getattr(torch, args.dtype),
-                              max_batch_size=args.max_batch_size, cfg_batch=args.cfg_batch)
+                              max_batch_size=args.max_batch_size, cfg_batch=args.cfg_batch,
+                              **({"compile_blocks": True} if args.compile_blocks and args.engine == "native" else {}))
         _send(channel_out, {"ok": True, "ready": True})
     except Exception as e:  # report the load failure to the parent, then exit
         _send(channel_out, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})

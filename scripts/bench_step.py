@@ -3,7 +3,7 @@
 subprocesses) on random-weight checkpoints in the released layouts, each recipe's settings scaled to the GPUs
 present, the baseline configuration (today's path) and the optimised one measured in ONE invocation.
 
-    python scripts/bench_step.py --recipe qwen_dppo                    # one H200: one recipe per 10-minute call
+    python scripts/bench_step.py --recipe qwen_dppo                    # one recipe, baseline and optimized
     python scripts/bench_step.py --recipe boogu_nft --configs baseline,optimized,optimized_train_cfg
     python scripts/bench_step.py --smoke --out /tmp/bench_step.json    # CPU smoke run on the tiny Qwen-Image
     python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json none --profile --out a.json
@@ -23,11 +23,13 @@ the judge; 512², 10 rollout steps, LoRA 64/128, activation checkpointing of eve
 Configurations (the flags that differ; everything else is the recipe's):
   baseline             today's path: fp32 frozen base (`--base_weights_dtype fp32`), training forwards with the
                        rollout's CFG, old log-probs recomputed, adapter sync through disk, reserved layout (one GPU:
-                       the rollout worker shares cuda:0, as issue 10 measured; several: the last GPU rollout-only);
+                       the rollout worker shares cuda:0; several: the last GPU rollout-only);
   optimized            bf16 frozen base, CFG-free NFT training forwards (`--train_cfg off`), the recipes' own DPPO
                        setting (`--old_log_probs recompute`: they keep it for the trust region),
-                       `--rollout_devices colocated` when the trainer supports it, plus --optimized_flags (e.g. the
-                       flags of a change under test: `--attention_backend cudnn`, `--loss_metrics host`);
+                       `--rollout_devices colocated` when the trainer supports it, `--compile blocks` for the
+                       Qwen-Image recipes (measured: 1.33-1.35x on one H200; Boogu-Image's compile has not fitted one
+                       call yet), plus --optimized_flags (e.g. the flags of a change under test:
+                       `--attention_backend cudnn`, `--compile off`);
   optimized_bypass     optimized with DPPO's bypass (`--old_log_probs rollout`: no old-log-prob pass; DPPO only);
   optimized_train_cfg  optimized but with the rollout's CFG in the NFT training forwards (`--train_cfg rollout`; NFT
                        only);
@@ -59,13 +61,12 @@ and perf/tflop/*, the trainer ranks' peak torch memory (perf/max_memory_*), ever
 (nvidia-smi polled once a second; per GPU when the container hides process ids), the exit status and the tail of
 a failed run's log (an OOM is a result, not a crash of the benchmark). Step 1 is a warm-up and excluded.
 
-Time plan for one H200 and one 10-minute call (issue 10's measurements): checkpoint build 35-50 s per family
-(in a subprocess, written once and shared by the recipe's runs), a 10B transformer loads in about a minute on a
-trainer rank; one Boogu NFT step of 12 images ~80 s today, so `boogu_nft` with 2 steps per run (1 measured) is
-~50 + 220 (baseline) + ~130 (optimized) s; `qwen_dppo` at 60 blocks: the baseline does not fit on one H200 (fp32
-base, issue 10), so it is recorded as failed and the ratio is n/a; use --qwen_layers 40 for a ratio that fits.
-A baseline measured once (`--configs baseline` or any earlier JSON) and passed as --baseline_json saves its runs in
-every later call; docs/PERFORMANCE.md ("Profiling") has issue 18's per-recipe commands and runtimes.
+Time on one H200 (measured; docs/PERFORMANCE.md has each recipe's runtimes): the checkpoint build takes 40-66 s per
+family (in a subprocess, written once and shared by the recipe's runs), trainer and rollout worker start in about
+1.3 min, the compiled first step of a Qwen-Image recipe adds ~2-3 min, then a step takes 20-45 s. At 60 blocks the
+`qwen_dppo` baseline (fp32 base) does not fit on one H200, so it is recorded as failed and the ratio is n/a; use
+--qwen_layers 40 for a ratio that fits. A baseline measured once (`--configs baseline` or any earlier JSON) and
+passed as --baseline_json saves its runs in every later call.
 --deadline_s stops starting runs that cannot finish in time (estimated from the runs before) and kills a run that
 overruns it (recorded as timeout, with the step times its progress lines printed). --smoke starts its runs at once
 (on CPU their times mean nothing; it checks the plumbing, the JSON and the numerics of the configurations).
@@ -100,6 +101,8 @@ for _path in (REPO, os.path.join(REPO, "scripts")):
 SCHEMA_VERSION = 1
 FAMILY_OF = {"qwen_dppo": "qwen_image", "qwen_nft": "qwen_image", "boogu_nft": "boogu_image"}
 TRAINER_OF = {"qwen_dppo": "train_dppo.py", "qwen_nft": "train_nft.py", "boogu_nft": "train_nft.py"}
+# recipes whose optimized runs compile the transformer blocks (measured on one H200, docs/PERFORMANCE.md)
+COMPILED_RECIPES = ("qwen_dppo", "qwen_nft")
 CONFIGS = ("baseline", "optimized", "optimized_bypass", "optimized_train_cfg", "optimized_ckpt_half")
 ONLY_FOR = {"optimized_train_cfg": "train_nft.py", "optimized_bypass": "train_dppo.py"}  # trainer-specific configs
 # what a baseline of an earlier invocation must share with this one (`baseline_problems`)
@@ -160,6 +163,8 @@ def config_flags(config: str, recipe: str, blocks: int, args) -> list[str]:
         flags += ["--old_log_probs", "rollout" if config == "optimized_bypass" else "recompute"]
     if config == "optimized_ckpt_half":
         flags += ["--activation_checkpointing_blocks", str(blocks // 2)]
+    if recipe in COMPILED_RECIPES and not args.smoke:
+        flags += ["--compile", "blocks"]
     return flags + shlex.split(args.optimized_flags)
 
 
@@ -182,7 +187,7 @@ def layout_of(config: str, gpus: int, smoke: bool) -> dict[str, Any]:
         return {"trainer_ranks": 1, "rollout_devices": "cpu", "gpus_used": 1, "name": "cpu"}
     if config != "baseline" and trainer_supports("colocated"):
         return {"trainer_ranks": gpus, "rollout_devices": "colocated", "gpus_used": gpus, "name": "colocated"}
-    if gpus == 1:  # issue 10's one-GPU measurement: the rollout worker shares the trainer's GPU
+    if gpus == 1:  # one GPU: the rollout worker shares the trainer's GPU
         return {"trainer_ranks": 1, "rollout_devices": "cuda:0", "gpus_used": 1, "name": "shared cuda:0"}
     return {"trainer_ranks": gpus - 1, "rollout_devices": f"cuda:{gpus - 1}", "gpus_used": gpus,
             "name": f"reserved (rollout on cuda:{gpus - 1})"}

@@ -15,6 +15,8 @@
 # rollout_corr/*). Activation checkpointing of every block (micro 16 with CFG = 32 sequences per forward); frozen
 # base weights in bf16. Batch: 3 ranks need a prompt count divisible by 3, so 30 prompts x 16 and mini 15 (2
 # optimizer steps per rollout step, as verl-omni's 32 / 16; each rank's mini-batch is 5 x 16 = 80 samples, micro 16).
+# Regional torch.compile of the transformer blocks (--compile blocks; trainer and native rollout): 1.35x on one
+# H200, after ~2-3 minutes of compilation in the first step (docs/PERFORMANCE.md); pass --compile off to skip it.
 # Flow-GRPO baseline: add `--loss flow_grpo --clip_ratio 1e-5`.
 # Data: python data_prep/qwen_image_ocr.py --input_dir ~/data/ocr --output_dir ~/data/ocr/qwen_image
 set -euo pipefail
@@ -42,7 +44,7 @@ trap flowrl_stop_judges EXIT
 
 bash scripts/launch.sh train_dppo.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
-  --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \
+  --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing --compile blocks \
   --train_batch_size "$TRAIN_BATCH" --rollout_n 16 --ppo_mini_batch_size "$MINI_BATCH" --micro_batch_size 16 \
   --lr 3e-4 --weight_decay 1e-4 --lora_rank 64 --lora_alpha 128 \
   --height 512 --width 512 --num_inference_steps 10 --val_num_inference_steps 50 --max_sequence_length 256 \

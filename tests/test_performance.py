@@ -18,6 +18,7 @@ sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
 from models import lora  # noqa: E402
+from models.base import BLOCK_GRAPH_LIMIT, compile_blocks, transformer_blocks  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -209,6 +210,46 @@ def test_one_rank_placement_equals_fsdp2_bit_for_bit():
     assert out_direct.dtype == torch.bfloat16 and torch.equal(out_fsdp, out_direct)
 
 
+def family_nft_run(path: str, fsdp: str, *, dtype: torch.dtype = torch.bfloat16, compile: str = "off",
+                   old_b: bool = False, prompts: tuple[str, ...] = ("a sign that says 'hello'",)):
+    """A real tiny model through its wrapper, prepared as a trainer prepares it (LoRA default + old with random
+    non-zero B on "default" and, with old_b, on "old"; base in `dtype` under the matching policy; checkpointing of
+    every block; --fsdp `fsdp`; --compile `compile`), then the NFT pattern of `nft_micro_steps` on 2 noise batches
+    per prompt (one optimizer step per pair; the prompts, of different lengths, taken in turn). Returns (model,
+    outputs, gradients)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from models import load_model
+
+    encoder = load_model(path)
+    prompt_embeds = [encoder.encode_prompt([p]).index([0, 0]) for p in prompts]
+    model = load_model(path, device="cpu", dtype=dtype, transformer_only=True)
+    model.dtype = torch.float32
+    torch.manual_seed(1)
+    T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
+                        block_prefixes=model.lora_block_prefixes, adapter_names=("default", "old"))
+    with torch.no_grad():
+        for adapter in ("default", "old") if old_b else ("default",):
+            for key, p in T.adapter_params(model.transformer, adapter):
+                if ".lora_B." in key:
+                    p.normal_(0, 0.05)
+    T.apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
+    policy = bf16_policy() if dtype == torch.bfloat16 else MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=policy, device="cpu", fsdp=fsdp)
+    if compile == "blocks":
+        compile_blocks(model.transformer, model.lora_block_prefixes)
+    torch.manual_seed(3)
+    inputs = [model.prepare_noise(64, 64, [torch.Generator().manual_seed(s + 10 * i) for s in (1, 2)])
+              for i in range(2 * len(prompts))]
+    calls = iter(range(10 ** 6))
+
+    def forward(x):  # 3 forwards per input (policy, old, reference), 2 inputs per prompt
+        prompt = prompt_embeds[next(calls) // 6 % len(prompts)]
+        return model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64)
+
+    return (model, *nft_micro_steps(model, T.build_optimizer(model.transformer, lr=1e-2), inputs, forward))
+
+
 @pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])
 def test_one_rank_placement_of_both_families_equals_fsdp2(tiny_models, name):
     """The real tiny models (Qwen-Image: complex RoPE; Boogu-Image: fp32 RoPE tables in a StreamContext, which
@@ -217,30 +258,8 @@ def test_one_rank_placement_of_both_families_equals_fsdp2(tiny_models, name):
     and so do the gradients, but for one documented case: a LoRA layer used twice in one forward (Boogu's shared
     `to_out.0` of the double-stream blocks, applied to each stream). FSDP2 sums its two bf16 weight gradients in
     bf16 and then casts; the one-rank path casts each to fp32 and sums in fp32: equal within bf16 rounding."""
-    from models import load_model
-
     path = os.path.join(tiny_models, name)
-    prompt = load_model(path).encode_prompt(["a sign that says 'hello'"]).index([0, 0])
-    results = []
-    for mode in ("always", "auto"):
-        model = load_model(path, device="cpu", dtype=torch.bfloat16, transformer_only=True)
-        model.dtype = torch.float32
-        torch.manual_seed(1)
-        T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
-                            block_prefixes=model.lora_block_prefixes, adapter_names=("default", "old"))
-        with torch.no_grad():
-            for key, p in T.adapter_params(model.transformer, "default"):
-                if ".lora_B." in key:
-                    p.normal_(0, 0.05)
-        T.apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
-        T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu",
-                            fsdp=mode)
-        torch.manual_seed(3)
-        inputs = [model.prepare_noise(64, 64, [torch.Generator().manual_seed(s + 10 * i) for s in (1, 2)])
-                  for i in range(2)]
-        forward = lambda x: model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64)  # noqa
-        results.append(nft_micro_steps(model, T.build_optimizer(model.transformer, lr=1e-2), inputs, forward))
-    (outs_a, grads_a), (outs_b, grads_b) = results
+    (model, outs_a, grads_a), (_, outs_b, grads_b) = [family_nft_run(path, mode) for mode in ("always", "auto")]
     assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
     names = [key for key, _ in T.adapter_params(model.transformer, "default")]
     differ = set()
@@ -253,6 +272,111 @@ def test_one_rank_placement_of_both_families_equals_fsdp2(tiny_models, name):
     shared = {key for key in names if key.startswith("double_stream_layers.") and ".to_out.0." in key}
     assert differ <= shared and (name != "qwen_image" or not differ), sorted(differ)
     assert any(g is not None and g.abs().sum() > 0 for g in grads_b[0])
+
+
+def relative_error(reference: torch.Tensor, value: torch.Tensor) -> float:
+    """max |value - reference| / max |reference|, in fp32."""
+    return float((value.float() - reference.float()).abs().max() / reference.float().abs().max())
+
+
+def run_errors(reference, run) -> tuple[float, float]:
+    """The largest `relative_error` of a `family_nft_run`'s outputs and of its gradients against `reference`'s."""
+    (_, outs_ref, grads_ref), (_, outs, grads) = reference, run
+    out_error = max(relative_error(a, b) for a, b in zip(outs_ref, outs))
+    grad_error = max(relative_error(a, b) for sa, sb in zip(grads_ref, grads) for a, b in zip(sa, sb)
+                     if a is not None)
+    return out_error, grad_error
+
+
+def test_compile_blocks_wraps_each_block_once_and_fails_closed():
+    """Every block's forward is replaced by a compiled one (nothing else: the root keeps its eager forward), a
+    second call is refused, torch is told to raise (not to run eagerly) when a block exceeds its graph budget, and
+    an unknown mode is refused."""
+    import torch._dynamo
+
+    model = tiny(torch.float32, shard=False)
+    eager = {id(b): b.forward for b in transformer_blocks(model, BLOCK_PREFIXES)}
+    assert compile_blocks(model, BLOCK_PREFIXES) == len(eager) == 3
+    for block in transformer_blocks(model, BLOCK_PREFIXES):
+        assert block.forward is not eager[id(block)] and block.forward._torchdynamo_orig_callable == eager[id(block)]
+    assert "forward" not in vars(model)
+    with pytest.raises(RuntimeError, match="compiled already"):
+        compile_blocks(model, BLOCK_PREFIXES)
+    config = torch._dynamo.config
+    assert config.fail_on_recompile_limit_hit and config.recompile_limit >= BLOCK_GRAPH_LIMIT
+    with pytest.raises(ValueError, match="compile must be"):
+        T.prepare_transformer(TinyFlowTransformer(), block_prefixes=BLOCK_PREFIXES, target_modules=TARGETS,
+                              lora_rank=2, lora_alpha=2.0, compile="yes")
+
+
+def test_the_native_engine_compiles_its_blocks_when_asked(tiny_models):
+    """--compile blocks reaches the rollout: the native engine wraps every block of its transformer (the first
+    generate compiles them; the CPU smoke of bench_step.py runs that path end to end)."""
+    import rollout
+
+    path = os.path.join(tiny_models, "qwen_image")
+    for flag in (False, True):
+        engine = rollout.NativeEngine(path, compile_blocks=flag)
+        blocks = transformer_blocks(engine.model.transformer, engine.model.lora_block_prefixes)
+        assert [hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks] == [flag] * len(blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])
+def test_compiled_blocks_compute_what_eager_blocks_compute(tiny_models, name):
+    """--compile blocks on the real tiny models as a trainer prepares them (one-rank placement, checkpointing of
+    every block, LoRA default + old both non-zero): the NFT pattern (old / reference forwards without grad, the
+    policy forward with grad, two AdamW steps) in fp32 equals eager within fp32 rounding, and the three adapter
+    states still give three different velocities (a compiled graph reused across an adapter switch would not).
+    In bf16 (Qwen-Image) the compiled run is as close to the fp32 run as the eager bf16 run is."""
+    path = os.path.join(tiny_models, name)
+    prompts = ("a sign that says 'hello'", "a long sign that says 'hello world, how are you today'", "hi")
+    fp32 = {mode: family_nft_run(path, "auto", dtype=torch.float32, compile=mode, old_b=True, prompts=prompts)
+            for mode in ("off", "blocks")}
+    outs = fp32["blocks"][1]
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])  # policy, old, reference
+    out_error, grad_error = run_errors(fp32["off"], fp32["blocks"])
+    assert out_error < 1e-5 and grad_error < 1e-4, (out_error, grad_error)
+    if name == "boogu_image_base":  # under FSDP2 too (the trainer's path on several ranks)
+        sharded = family_nft_run(path, "always", dtype=torch.float32, compile="blocks", old_b=True, prompts=prompts)
+        out_error, grad_error = run_errors(fp32["off"], sharded)
+        assert out_error < 1e-5 and grad_error < 1e-4, (out_error, grad_error)
+    if name == "qwen_image":
+        bf16 = {mode: family_nft_run(path, "auto", compile=mode, old_b=True, prompts=prompts[:1])
+                for mode in ("off", "blocks")}
+        reference = family_nft_run(path, "auto", dtype=torch.float32, old_b=True, prompts=prompts[:1])
+        (eager_out, eager_grad), (out, grad) = [run_errors(reference, bf16[mode]) for mode in ("off", "blocks")]
+        assert 0 < out < 1.5 * eager_out and 0 < grad < 1.5 * eager_grad, (out, eager_out, grad, eager_grad)
+
+
+@pytest.mark.slow
+def test_compiled_replay_with_grad_equals_the_update_forward(tiny_models):
+    """Why Flow-DPPO's old-log-prob replay runs with grad under --compile blocks: a compiled block has a no-grad
+    graph and a training graph, which may round bf16 differently; the replay (outputs detached) through the training
+    graph gives the update's forward bit for bit, so the first update's ratio is exactly 1."""
+    from models import load_model
+
+    path = os.path.join(tiny_models, "qwen_image")
+    prompt = load_model(path).encode_prompt(["a sign that says 'hello'"]).index([0, 0])
+    model = load_model(path, device="cpu", dtype=torch.bfloat16, transformer_only=True)
+    model.dtype = torch.float32
+    torch.manual_seed(1)
+    T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
+                        block_prefixes=model.lora_block_prefixes)
+    with torch.no_grad():
+        for key, p in T.adapter_params(model.transformer, "default"):
+            if ".lora_B." in key:
+                p.normal_(0, 0.05)
+    T.apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
+    T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu",
+                        fsdp="auto")
+    compile_blocks(model.transformer, model.lora_block_prefixes)
+    x = model.prepare_noise(64, 64, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    forward = lambda: model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64)  # noqa
+    with torch.enable_grad():
+        replayed = forward().detach()
+    update = forward()
+    assert update.requires_grad and torch.equal(replayed, update.detach())
 
 
 def test_one_rank_placement_refuses_what_it_cannot_reproduce():

@@ -28,6 +28,7 @@ sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
 from models import lora  # noqa: E402
+from models.base import transformer_blocks  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 
 torch.set_num_threads(1)
@@ -129,7 +130,7 @@ def test_lora_binding_fails_closed():
         T.add_lora_adapters(TinyFlowTransformer(), target_modules=("to_q", "proj_in"), rank=2, alpha=2,
                             block_prefixes=BLOCK_PREFIXES)
     with pytest.raises(ValueError, match="not a child"):
-        T.transformer_blocks(TinyFlowTransformer(), ("transformer_blocks",))
+        transformer_blocks(TinyFlowTransformer(), ("transformer_blocks",))
 
 
 @pytest.mark.parametrize("shard", [False, True])

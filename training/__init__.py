@@ -53,7 +53,7 @@ from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_r
                           seed_everything, RankFailed, raise_if_any_rank_failed, on_rank0, collective_timeout_s,
                           COLLECTIVE_TIMEOUT_MARGIN_S)
 # 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors (`_full`: not public, tests use it)
-from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter, transformer_blocks,
+from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter,
                     apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
                     base_weight_dtype, cast_frozen_base_, FSDP_MODES, shard_transformer, ComputeDtypeLinear,
                     place_on_one_rank,

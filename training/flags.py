@@ -9,7 +9,7 @@ import os
 import torch
 
 from engines.contract import ENGINES
-from models.base import ATTENTION_BACKENDS
+from models.base import ATTENTION_BACKENDS, COMPILE_MODES
 
 from .adapters import adapter_arg
 from .model import FSDP_MODES
@@ -78,6 +78,11 @@ def add_common_args(parser) -> None:
                         "transformer stays whole on its GPU with the same bf16 / fp32-gradient numbers and none of "
                         "FSDP2's per-forward parameter copies (FSDP2 copies every tensor at every unshard even when "
                         "it has nothing to shard); 'always' = FSDP2 at any size (the old path)")
+    g.add_argument("--compile", default="off", choices=COMPILE_MODES,
+                   help="'blocks' = regional torch.compile of every transformer block (models.base.compile_blocks) in "
+                        "the trainer and in the native rollout engine: fewer, fused kernels; the first steps pay the "
+                        "compile (each block class once per variant); bf16 results differ from eager by rounding; "
+                        "a vllm-omni engine compiles by its own settings. 'off' = eager")
     g = parser.add_argument_group("rollout")
     g.add_argument("--rollout_engine", default="native", choices=ENGINES)
     g.add_argument("--rollout_devices", default="cuda:3",

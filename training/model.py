@@ -14,11 +14,12 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 from models import lora
+from models.base import compile_blocks, transformer_blocks
 
 from .distributed import get_world_size, is_main_process
 
 __all__ = [
-    "ADAPTER_DEFAULT", "ADAPTER_OLD", "adapter_params", "add_lora_adapters", "use_adapter", "transformer_blocks",
+    "ADAPTER_DEFAULT", "ADAPTER_OLD", "adapter_params", "add_lora_adapters", "use_adapter",
     "apply_activation_checkpointing", "checkpointed_block_indices", "mixed_precision_policy", "base_weight_dtype",
     "cast_frozen_base_", "FSDP_MODES", "shard_transformer", "ComputeDtypeLinear", "place_on_one_rank",
     "prepare_transformer",
@@ -120,23 +121,6 @@ def use_adapter(transformer: nn.Module, adapter: str) -> Iterator[None]:
         yield
     finally:
         lora.set_active_adapter(transformer, previous[0])
-
-
-def transformer_blocks(transformer: nn.Module, block_prefixes: Sequence[str]) -> list[nn.Module]:
-    """The transformer blocks: for each top-level child named in `block_prefixes`, its elements when it is a
-    ModuleList/Sequential, else the child itself. (B blocks, in order.)"""
-    if not block_prefixes:
-        raise ValueError("block_prefixes is empty; pass the model wrapper's lora_block_prefixes")
-    blocks: list[nn.Module] = []
-    children = dict(transformer.named_children())
-    for prefix in block_prefixes:
-        if prefix not in children:
-            raise ValueError(
-                f"block prefix {prefix!r} is not a child of {type(transformer).__name__} (children: {sorted(children)})"
-            )
-        child = children[prefix]
-        blocks.extend(child if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child])
-    return blocks
 
 
 def checkpointed_block_indices(num_blocks: int, num_checkpointed: int | None = None) -> list[int]:
@@ -367,10 +351,12 @@ def prepare_transformer(
     checkpoint_blocks: int | None = None,
     base_weights: str = "compute",
     fsdp: str = "always",
+    compile: str = "off",
 ):
     """LoRA -> frozen base weights to `base_weight_dtype(device, precision, base_weights)` -> (activation
     checkpointing of all blocks, or of `checkpoint_blocks` of them) -> FSDP2 (or, with fsdp="auto" on one rank,
-    `place_on_one_rank`), in that order; returns the `LoraConfig`.
+    `place_on_one_rank`) -> with compile="blocks", `models.base.compile_blocks`, in that order; returns the
+    `LoraConfig`.
 
     For a FlowModel `m`: `prepare_transformer(m.transformer, block_prefixes=m.lora_block_prefixes,
     target_modules=m.default_lora_targets, ...)`. The base weights are frozen; with two adapter names (DiffusionNFT)
@@ -393,6 +379,10 @@ def prepare_transformer(
         apply_activation_checkpointing(transformer, block_prefixes, checkpoint_blocks)
     shard_transformer(transformer, block_prefixes, mp_policy=mixed_precision_policy(torch.device(device), precision),
                       device=device, fsdp=fsdp)
+    if compile == "blocks":
+        compile_blocks(transformer, block_prefixes)
+    elif compile != "off":
+        raise ValueError(f"compile must be 'off' or 'blocks', got {compile!r}")
     return config
 
 

@@ -555,7 +555,8 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, adapter_names=adapter_names, device=device,
         precision=args.precision, activation_checkpointing=args.activation_checkpointing,
         init_lora_weights=parse_lora_init(args.lora_init_weights),
-        checkpoint_blocks=args.activation_checkpointing_blocks, base_weights=args.base_weights_dtype, fsdp=args.fsdp)
+        checkpoint_blocks=args.activation_checkpointing_blocks, base_weights=args.base_weights_dtype, fsdp=args.fsdp,
+        compile=args.compile)
     num_lora_modules = len(lora.lora_layers(model.transformer, ADAPTER_DEFAULT))
     load_init_adapter(model.transformer, args.init_adapter, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                       expected_modules=num_lora_modules)  # --init_adapter (a no-op without it)
@@ -597,6 +598,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
                                  trainer_device=device.type, sync=args.rollout_sync,
                                  python=args.rollout_python, startup_timeout_s=args.rollout_startup_timeout_s,
                                  collective_timeout_s=group_timeout_s, attention_backend=args.attention_backend,
+                                 compile_blocks=args.compile == "blocks",
                                  profile_generate=max(0, args.profile_step - start_step))
     if rank == 0:
         print(f"rollout: the workers are ready ({time.monotonic() - started:.1f} s)", flush=True)
