@@ -185,6 +185,7 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     # has finished its step: the parent closes it (stdin EOF, then SIGKILL; PDEATHSIG if the parent dies)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the trainer saves, then closes the worker
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     channel_in, channel_out = sys.stdin.buffer, _private_stdout()

@@ -12,7 +12,7 @@
 #   MASTER_PORT     a free port on node 0                            default 29500
 #   TORCHRUN_ARGS   more torchrun flags, e.g. "--shutdown-timeout 900 --max-restarts 0"
 #   PYTHON          the interpreter that runs torchrun               default python3
-#   SHUTDOWN_TIMEOUT seconds torchrun waits after forwarding a SIGTERM / SIGINT before it SIGKILLs the ranks
+#   SHUTDOWN_TIMEOUT seconds torchrun waits after forwarding a SIGTERM / SIGINT / SIGHUP before it SIGKILLs the ranks
 #                   (its own default: 30 s); the last finished step is written at once on the signal, and this
 #                   leaves the step in progress time to finish and save too      default 300
 # Every node runs the same line with its own NODE_RANK (static rendezvous: node 0 hosts it). The line is printed
@@ -48,4 +48,8 @@ command=("${PYTHON:-python3}" scripts/torchrun.py --nnodes "$NNODES" --node_rank
          ${extra[@]+"${extra[@]}"} "$@")
 shown=$((12 + ${#extra[@]} + 1))  # torchrun and its flags, then the trainer script
 echo "launch.sh: node $NODE_RANK of $NNODES, $NPROC_PER_NODE trainer process(es): ${command[*]:0:$shown} ..." >&2
+if [ -t 0 ] || [ -t 2 ]; then  # started from a terminal: closing it (SIGHUP) stops the run, with a checkpoint
+  echo "launch.sh: closing this terminal stops the run at the end of its step, with a checkpoint; to keep it running" \
+       "start it under tmux / screen, or detached: setsid nohup <the command> > run.out 2>&1 &" >&2
+fi
 exec "${command[@]}"

@@ -220,11 +220,13 @@ def test_one_live_run_per_folder_and_no_orphans_when_the_agent_is_killed(demo_da
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_sigterm_during_a_long_step_saves_the_last_finished_step_within_the_shutdown_window(
-        demo_data, tiny_models, tmp_path):  # noqa: F811
-    """Step 2 waits on a judge that takes 60 s per reply; torchrun's --shutdown-timeout is 8 s. SIGTERM to the agent:
-    the rank writes step 1 at once (its held state), well inside the window, and torchrun's SIGKILL later finds
-    nothing left to lose. Slow: one trainer launch (~40 s)."""
+        demo_data, tiny_models, tmp_path, sig):  # noqa: F811
+    """Step 2 waits on a judge that takes 60 s per reply; torchrun's --shutdown-timeout is 8 s. SIGTERM (a
+    scheduler) or SIGHUP (a closed terminal or SSH session) to the agent, which forwards it: the rank writes step 1
+    at once (its held state), well inside the window, and torchrun's SIGKILL later finds nothing left to lose.
+    Slow: one trainer launch (~40 s) per signal."""
     out = tmp_path / "run"
     with FakeJudge() as judge:
         argv = base_flags(tiny_models, demo_data, out, train_files=ocr_data(demo_data, tmp_path), save_freq=100,
@@ -236,8 +238,8 @@ def test_sigterm_during_a_long_step_saves_the_last_finished_step_within_the_shut
             judge.delay_s = 60.0  # step 2 is now stuck in scoring for a minute
             time.sleep(2)
             start = time.monotonic()
-            os.kill(run.proc.pid, signal.SIGTERM)
-            run.wait_for("written at once (on SIGTERM)", timeout=30)
+            os.kill(run.proc.pid, getattr(signal, sig))
+            run.wait_for(f"written at once (on {sig})", timeout=30)
             elapsed = time.monotonic() - start
             assert run.finish(timeout=60) != 0
         finally:

@@ -906,16 +906,21 @@ def test_rollout_adapter_versions_of_earlier_runs_never_remove_the_current_one(t
     assert sorted(os.listdir(root)) == ["v00000004", "v00000005"]  # the new one and the one the workers hold
 
 
-def test_stop_signals_first_asks_repeat_within_3s_is_the_same_request():
+@pytest.mark.parametrize("first", ["SIGTERM", "SIGHUP"])
+def test_stop_signals_first_asks_repeat_within_3s_is_the_same_request(first):
+    """A scheduler's SIGTERM and a closed terminal's SIGHUP both ask for a stop with a checkpoint; a repeat within
+    3 s (torchrun's forwarded copy) changes nothing."""
     import signal
 
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    first = getattr(signal, first)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         stop = T.StopSignals(announce=False).install()
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.signum == signal.SIGTERM
+        os.kill(os.getpid(), first)
+        assert stop.signum == first
         os.kill(os.getpid(), signal.SIGINT)  # torchrun's forwarded copy: no effect, the process lives on
-        assert stop.signum == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.signum == first
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)

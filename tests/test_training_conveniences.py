@@ -261,6 +261,31 @@ def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch)
     assert log[3].startswith("==== ") and log[4] == "step 1/1 | rank 0 line"
 
 
+def test_tee_console_keeps_the_log_when_the_terminal_is_gone(tmp_path, monkeypatch):
+    """A closed terminal (SIGHUP) makes every write to it fail with EIO: the console log file still gets every line,
+    and neither print nor flush raises, so the save that follows the hangup can report itself."""
+    import errno
+
+    import training.logs as logs
+
+    class ClosedTerminal:
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+        def flush(self):
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sys, "stdout", ClosedTerminal())
+    monkeypatch.setattr(sys, "stderr", ClosedTerminal())
+    monkeypatch.setattr(logs, "launch_rank", lambda: 0)
+    path = T.tee_console(str(tmp_path))
+    print("received SIGHUP: stopping at the end of this step", flush=True)
+    sys.stderr.write("saved checkpoint step_00000001\n")
+    sys.stderr.flush()
+    text = open(path, encoding="utf-8").read()
+    assert "received SIGHUP: stopping" in text and "saved checkpoint step_00000001" in text
+
+
 @pytest.mark.parametrize("script", ["train_nft", "train_dppo"])
 def test_help_shows_every_default(script, capsys):
     module = __import__(script)

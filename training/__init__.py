@@ -36,7 +36,7 @@ One module per section, read in this order (`import training as T` gives every p
    call), `ProfileWindow` (a trainer step up to its first K update micro-steps) and `profile_table`, the pure
    per-phase table of device busy / idle time, host reads, memory copies (and what issued them) and top kernels.
 15. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
-   validate, checkpoint, the divergence stop), the SIGTERM/SIGINT and --max_wall_time_s stops at a step boundary,
+   validate, checkpoint, the divergence stop), the SIGTERM/SIGINT/SIGHUP and --max_wall_time_s stops at a step boundary,
    the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, so each
    trainer file holds only its algorithm.
 16. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you

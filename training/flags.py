@@ -146,11 +146,11 @@ def add_common_args(parser) -> None:
                    help="stop cleanly (checkpoint, exit 0) at the first step boundary after this many seconds since "
                         "start-up (0 = no limit)")
     g.add_argument("--stop_save_budget_s", type=float, default=0.0,
-                   help="after SIGTERM/SIGINT the run finishes its step and saves there; with a budget > 0 it skips "
+                   help="after SIGTERM/SIGINT/SIGHUP the run finishes its step and saves there; with a budget > 0 it skips "
                         "that save when the step ended later than this many seconds after the signal (0 = always save)")
     g.add_argument("--save_on_exit", default="last_step", choices=["last_step", "off"],
                    help="last_step: rank 0 holds the last finished step's state in host memory (one gather of the "
-                        "LoRA-sized state per step) and writes it at once on SIGTERM/SIGINT (within the launcher's "
+                        "LoRA-sized state per step) and writes it at once on SIGTERM/SIGINT/SIGHUP (within the launcher's "
                         "shutdown window, whatever the step is doing), on a fatal judge or rollout-worker error, and "
                         "when the torchrun agent dies; off: only --save_freq checkpoints and the stop at a step end")
     g.add_argument("--output_dir", default="outputs/run",

@@ -417,9 +417,15 @@ class _Tee:
 
     def __init__(self, stream: Any, log: Any, prefix: str) -> None:
         self.stream, self.log, self.prefix, self.pending = stream, log, prefix, ""
+        self.console_lost = False
 
     def write(self, text: str) -> int:
-        n = self.stream.write(text)
+        n = len(text)
+        if not self.console_lost:
+            try:
+                n = self.stream.write(text)
+            except (OSError, ValueError):  # a closed terminal (EIO) or launcher pipe: the log file carries on
+                self.console_lost = True
         self.pending += text
         if "\n" in self.pending:  # whole lines only, so the ranks' lines never interleave mid-line
             lines, self.pending = self.pending.rsplit("\n", 1)
@@ -429,7 +435,11 @@ class _Tee:
         return n
 
     def flush(self) -> None:
-        self.stream.flush()
+        if not self.console_lost:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.console_lost = True
 
     def close_log(self) -> None:
         if self.pending:

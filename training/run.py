@@ -47,8 +47,13 @@ class TrainingDiverged(RuntimeError):
 FATAL_SAVE_EXCLUDED: tuple[type, ...] = (TrainingDiverged, CheckpointError)
 
 
+# the signals that stop a run at a step boundary with a checkpoint: a scheduler's SIGTERM, a terminal's Ctrl-C
+# (SIGINT) and a closed terminal or SSH session (SIGHUP, which torchrun forwards to the ranks like the other two)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopSignals:
-    """SIGTERM / SIGINT on a trainer rank: the first asks for a stop at the next step boundary (`Run.steps`: every
+    """SIGTERM / SIGINT / SIGHUP on a trainer rank: the first asks for a stop at the next step boundary (`Run.steps`: every
     rank stops at the same step, with a checkpoint); a repeat more than 3 s later (an operator's second Ctrl-C)
     stops at once without one. Repeats within 3 s are the same request: torchrun forwards a terminal Ctrl-C that
     the ranks also received directly."""
@@ -57,14 +62,14 @@ class StopSignals:
         self.signum = 0
         self.received_at: float | None = None
         self.announce = announce
-        self.on_signal: Any = None  # called once, from a helper thread, the moment the first SIGTERM/SIGINT lands
+        self.on_signal: Any = None  # called once, from a helper thread, the moment the first stop signal lands
 
     def install(self, on_signal: Any = None) -> "StopSignals":
-        """Handle SIGTERM / SIGINT (main thread only). `on_signal(signum)`, when given, runs in a daemon thread as
+        """Handle the `STOP_SIGNALS` (main thread only). `on_signal(signum)`, when given, runs in a daemon thread as
         soon as the first one arrives, even while the main thread is blocked in C code (a collective, a long
         forward): Python runs signal handlers only between bytecodes of the main thread, but the C-level handler
         writes the signal number to `signal.set_wakeup_fd`'s socket at once, which that thread reads."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         if on_signal is not None:
             self.on_signal = on_signal
@@ -92,7 +97,7 @@ class StopSignals:
             if not data:
                 return
             for signum in data:
-                if signum in (signal.SIGTERM, signal.SIGINT):
+                if signum in STOP_SIGNALS:
                     self.on_signal(signum)
                     return
 
@@ -168,7 +173,7 @@ class Run:
 
     def steps(self) -> Iterator[int]:
         """The steps still to run: start_step + 1 .. total_training_steps. Before each one, every rank checks
-        together whether a stop was asked for (SIGTERM/SIGINT on any rank, --max_wall_time_s) and, if so, ends the
+        together whether a stop was asked for (SIGTERM/SIGINT/SIGHUP on any rank, --max_wall_time_s) and, if so, ends the
         run at this step boundary (`_stop`), so all ranks stop at the same step. --max_wall_time_s counts from the
         first step of this process (set-up, model loading and validation before training excluded), so at least
         one step runs. The loop runs under --attention_backend; with --profile_step the profiler records that step from
@@ -304,7 +309,7 @@ class Run:
         return path
 
     def _on_signal(self, signum: int) -> None:
-        """The first SIGTERM / SIGINT (from the stop-signal thread): write the last finished step now, within the
+        """The first stop signal (from the stop-signal thread): write the last finished step now, within the
         launcher's shutdown window, whatever the main thread is doing; it still stops at the end of its step and
         saves that one too if it gets there in time."""
         self._write_snapshot(f"on {signal.Signals(signum).name}")
@@ -487,7 +492,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2 (`default` from --init_adapter when
     given); AdamW and the lr schedule; train/val data, the sampler and the batch-size checks; the reward scorer;
     `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr schedule); the rollout workers of this
-    node; the SIGTERM/SIGINT handling (`StopSignals`, with the at-once write of the last finished step). Adapters
+    node; the SIGTERM/SIGINT/SIGHUP handling (`StopSignals`, with the at-once write of the last finished step). Adapters
     are NOT yet synced to the workers: the trainer does that with the adapter its algorithm samples from.
     `cfg_defaults`: the trainer's CFG scale per model family where it differs from the model's default
     (`flags.resolve_cfg_scale`); the resolved scale is `args.cfg_scale` (in the run's config) and `Run.cfg_scale`."""
