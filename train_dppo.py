@@ -89,9 +89,10 @@ def replay(model, window: StoredWindow, mb: torch.Tensor, scale: float, args) ->
     cond = window.cond.index(mb)
     for j in range(window.sigma.shape[1]):
         latents, sigma = window.latents[mb, j], window.sigma[mb, j]
-        velocity = model.guided_velocity(latents, sigma, cond.prompt, cond.negative, scale, cond.ref_latents,
-                                         height=args.height, width=args.width)
-        yield j, losses.sde_step(latents, velocity, sigma, window.sigma_next[mb, j], noise_level=args.noise_level,
+        # the velocity is not kept in this frame: a replay with grad frees one step's graph before the next
+        yield j, losses.sde_step(latents, model.guided_velocity(latents, sigma, cond.prompt, cond.negative, scale,
+                                                                cond.ref_latents, height=args.height, width=args.width),
+                                 sigma, window.sigma_next[mb, j], noise_level=args.noise_level,
                                  sde_type=args.sde_type, sigma_max=window.sigma_max,
                                  prev_sample=window.latents[mb, j + 1], validate=False)
 
@@ -146,6 +147,7 @@ def main(argv=None) -> None:
                 for mb in T.micro_batches(0, n_local, args.micro_batch_size, device):
                     for j, out in replay(model, window, mb, scale, args):
                         old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
+                        del out  # its graph (the checkpointed block inputs) goes before the next replay
             first_pass = None
         else:
             if result.all_means is None:
