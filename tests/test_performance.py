@@ -322,31 +322,21 @@ def test_the_native_engine_compiles_its_blocks_when_asked(tiny_models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])
-def test_compiled_blocks_compute_what_eager_blocks_compute(tiny_models, name):
-    """--compile blocks on the real tiny models as a trainer prepares them (one-rank placement, checkpointing of
-    every block, LoRA default + old both non-zero): the NFT pattern (old / reference forwards without grad, the
-    policy forward with grad, two AdamW steps) in fp32 equals eager within fp32 rounding, and the three adapter
-    states still give three different velocities (a compiled graph reused across an adapter switch would not).
-    In bf16 (Qwen-Image) the compiled run is as close to the fp32 run as the eager bf16 run is."""
-    path = os.path.join(tiny_models, name)
-    prompts = ("a sign that says 'hello'", "a long sign that says 'hello world, how are you today'", "hi")
+def test_compiled_blocks_compute_what_eager_blocks_compute(tiny_models):
+    """--compile blocks on the tiny Qwen-Image as a trainer prepares it (one-rank placement, checkpointing of every
+    block, LoRA default + old both non-zero): the NFT pattern (old / reference forwards without grad, the policy
+    forward with grad, two prompt lengths, AdamW steps) in fp32 equals eager within fp32 rounding, and the three
+    adapter states still give three different velocities (a compiled graph reused across an adapter switch would
+    not). One family only: a CPU compile costs minutes per model (Boogu-Image, FSDP2 and bf16 were checked the same
+    way when the flag was written: docs/PERFORMANCE.md)."""
+    path = os.path.join(tiny_models, "qwen_image")
+    prompts = ("a sign that says 'hello'", "a long sign that says 'hello world, how are you today'")
     fp32 = {mode: family_nft_run(path, "auto", dtype=torch.float32, compile=mode, old_b=True, prompts=prompts)
             for mode in ("off", "blocks")}
     outs = fp32["blocks"][1]
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])  # policy, old, reference
     out_error, grad_error = run_errors(fp32["off"], fp32["blocks"])
     assert out_error < 1e-5 and grad_error < 1e-4, (out_error, grad_error)
-    if name == "boogu_image_base":  # under FSDP2 too (the trainer's path on several ranks)
-        sharded = family_nft_run(path, "always", dtype=torch.float32, compile="blocks", old_b=True, prompts=prompts)
-        out_error, grad_error = run_errors(fp32["off"], sharded)
-        assert out_error < 1e-5 and grad_error < 1e-4, (out_error, grad_error)
-    if name == "qwen_image":
-        bf16 = {mode: family_nft_run(path, "auto", compile=mode, old_b=True, prompts=prompts[:1])
-                for mode in ("off", "blocks")}
-        reference = family_nft_run(path, "auto", dtype=torch.float32, old_b=True, prompts=prompts[:1])
-        (eager_out, eager_grad), (out, grad) = [run_errors(reference, bf16[mode]) for mode in ("off", "blocks")]
-        assert 0 < out < 1.5 * eager_out and 0 < grad < 1.5 * eager_grad, (out, eager_out, grad, eager_grad)
 
 
 @pytest.mark.slow
