@@ -424,13 +424,13 @@ def compile_blocks(transformer: torch.nn.Module, block_prefixes: Sequence[str]) 
     The math is unchanged; the kernels are not: inductor fuses the elementwise work (norms, modulation, gates,
     RoPE, the LoRA path's casts and scale) into fewer kernels and keeps fp32 intermediates inside a fused kernel
     where eager rounds each op to bf16, so bf16 results differ from eager by bf16 rounding (fp32: ~1e-7 relative,
-    tests/test_models.py). Shapes are dynamic (`dynamic=True`): the prompt length changes every batch, and one
+    tests/test_performance.py). Shapes are dynamic (`dynamic=True`): the prompt length changes every batch, and one
     graph serves every length. A block whose graphs exceed `BLOCK_GRAPH_LIMIT` raises instead of falling back to
     eager. Call once, after LoRA, checkpointing and sharding are in place; adapters loaded later recompile once."""
     import torch._dynamo
 
     blocks = transformer_blocks(transformer, block_prefixes)
-    if any(getattr(block, "_compiled_forward", False) for block in blocks):
+    if any(hasattr(block.forward, "_torchdynamo_orig_callable") for block in blocks):  # torch.compile's wrapper
         raise RuntimeError("compile_blocks: the blocks are compiled already")
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, BLOCK_GRAPH_LIMIT)
@@ -438,5 +438,4 @@ def compile_blocks(transformer: torch.nn.Module, block_prefixes: Sequence[str]) 
     config.fail_on_recompile_limit_hit = True
     for block in blocks:
         block.forward = torch.compile(block.forward, dynamic=True)
-        block._compiled_forward = True
     return len(blocks)
