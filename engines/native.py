@@ -59,7 +59,7 @@ class NativeEngine:
         self.model = load_model(model_path, device=device, dtype=dtype, cfg_batch=cfg_batch, **model_kwargs)
         self.model.transformer.requires_grad_(False)
         if compile_blocks:  # the adapter, bound later, recompiles each block class once
-            compile_transformer_blocks(self.model.transformer, self.model.lora_block_prefixes)
+            compile_transformer_blocks(self.model.transformer, self.model.blocks_to_compile)
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.adapter_version: str | None = None

@@ -229,6 +229,10 @@ class FlowModel:
     family: str = ""
     default_lora_targets: tuple[str, ...] = ()
     lora_block_prefixes: tuple[str, ...] = ()
+    # the blocks `--compile blocks` compiles (`compile_blocks`); () = every block of lora_block_prefixes. Each block
+    # class costs compilations of its own (one per variant), so a family may leave eager the classes that hold
+    # little of the model's work (`blocks_to_compile`)
+    compile_block_prefixes: tuple[str, ...] = ()
     vae_scale_factor: int = 8
     max_side: int | None = None  # largest allowed height/width, None = unlimited
 
@@ -244,6 +248,11 @@ class FlowModel:
         # Both give the same velocity up to float tolerance; the rollout and the trainer's replay must use the same
         # mode so that their kernels (and hence the rounding) match.
         self.cfg_batch = bool(cfg_batch)
+
+    @property
+    def blocks_to_compile(self) -> tuple[str, ...]:
+        """The block prefixes that `--compile blocks` hands to `compile_blocks`."""
+        return self.compile_block_prefixes or self.lora_block_prefixes
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property

@@ -26,10 +26,9 @@ Configurations (the flags that differ; everything else is the recipe's):
                        the rollout worker shares cuda:0; several: the last GPU rollout-only);
   optimized            bf16 frozen base, CFG-free NFT training forwards (`--train_cfg off`), the recipes' own DPPO
                        setting (`--old_log_probs recompute`: they keep it for the trust region),
-                       `--rollout_devices colocated` when the trainer supports it, `--compile blocks` for the
-                       Qwen-Image recipes (measured: 1.33-1.35x on one H200; Boogu-Image's compile has not fitted one
-                       call yet), plus --optimized_flags (e.g. the flags of a change under test:
-                       `--attention_backend cudnn`, `--compile off`);
+                       `--rollout_devices colocated` when the trainer supports it, `--compile blocks` (measured
+                       on one H200: 1.33-1.35x for Qwen-Image, 1.37x for Boogu-Image), plus --optimized_flags (e.g.
+                       the flags of a change under test: `--attention_backend cudnn`, `--compile off`);
   optimized_bypass     optimized with DPPO's bypass (`--old_log_probs rollout`: no old-log-prob pass; DPPO only);
   optimized_train_cfg  optimized but with the rollout's CFG in the NFT training forwards (`--train_cfg rollout`; NFT
                        only);
@@ -63,7 +62,7 @@ a failed run's log (an OOM is a result, not a crash of the benchmark). Step 1 is
 
 Time on one H200 (measured; docs/PERFORMANCE.md has each recipe's runtimes): the checkpoint build takes 40-66 s per
 family (in a subprocess, written once and shared by the recipe's runs), trainer and rollout worker start in about
-1.3 min, the compiled first step of a Qwen-Image recipe adds ~2-3 min, then a step takes 20-45 s. At 60 blocks the
+1.3 min, the compiled first step adds ~2-3 min (Qwen-Image) or ~4 min (Boogu-Image), then a step takes 20-45 s. At 60 blocks the
 `qwen_dppo` baseline (fp32 base) does not fit on one H200, so it is recorded as failed and the ratio is n/a; use
 --qwen_layers 40 for a ratio that fits. A baseline measured once (`--configs baseline` or any earlier JSON) and
 passed as --baseline_json saves its runs in every later call.
@@ -102,7 +101,7 @@ SCHEMA_VERSION = 1
 FAMILY_OF = {"qwen_dppo": "qwen_image", "qwen_nft": "qwen_image", "boogu_nft": "boogu_image"}
 TRAINER_OF = {"qwen_dppo": "train_dppo.py", "qwen_nft": "train_nft.py", "boogu_nft": "train_nft.py"}
 # recipes whose optimized runs compile the transformer blocks (measured on one H200, docs/PERFORMANCE.md)
-COMPILED_RECIPES = ("qwen_dppo", "qwen_nft")
+COMPILED_RECIPES = ("qwen_dppo", "qwen_nft", "boogu_nft")
 CONFIGS = ("baseline", "optimized", "optimized_bypass", "optimized_train_cfg", "optimized_ckpt_half")
 ONLY_FOR = {"optimized_train_cfg": "train_nft.py", "optimized_bypass": "train_dppo.py"}  # trainer-specific configs
 # what a baseline of an earlier invocation must share with this one (`baseline_problems`)

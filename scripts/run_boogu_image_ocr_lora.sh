@@ -18,6 +18,8 @@
 # block: without it a micro-batch of 6 guided samples needs > 136 GiB. Frozen base weights in bf16
 # (--base_weights_dtype compute, the default). Batch: 8 prompts x 16 per GPU (24 on 3 GPUs), mini 4 per GPU (2
 # optimizer steps per rollout step); a rank's mini-batch is 4 x 16 = 64 samples, so micro 8.
+# Regional torch.compile of the double- and single-stream blocks (--compile blocks; trainer and native rollout):
+# 1.37x on one H200 after ~4 minutes of compilation in the first step (docs/PERFORMANCE.md); --compile off skips it.
 # Data: python data_prep/boogu_image_ocr.py --input_dir ~/data/ocr --output_dir ~/data/ocr/boogu_image
 # Extra flags go to train_nft.py: bash scripts/run_boogu_image_ocr_lora.sh --total_training_steps 100
 set -euo pipefail
@@ -45,7 +47,7 @@ trap flowrl_stop_judges EXIT
 
 bash scripts/launch.sh train_nft.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \
-  --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing \
+  --rollout_engine "$ROLLOUT_ENGINE" --rollout_devices "$ROLLOUT_DEVICES" --activation_checkpointing --compile blocks \
   --train_batch_size "$TRAIN_BATCH" --rollout_n 16 --ppo_mini_batch_size "$MINI_BATCH" --micro_batch_size "$MICRO_BATCH" \
   --lr 1e-4 --weight_decay 1e-4 --lora_rank 64 --lora_alpha 128 \
   --height 512 --width 512 --num_inference_steps 10 --val_num_inference_steps 40 --max_sequence_length 256 \

@@ -309,16 +309,41 @@ def test_compile_blocks_wraps_each_block_once_and_fails_closed():
                               lora_rank=2, lora_alpha=2.0, compile="yes")
 
 
-def test_the_native_engine_compiles_its_blocks_when_asked(tiny_models):
-    """--compile blocks reaches the rollout: the native engine wraps every block of its transformer (the first
-    generate compiles them; the CPU smoke of bench_step.py runs that path end to end)."""
+@pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])
+def test_the_native_engine_and_the_trainer_compile_the_family_blocks_when_asked(tiny_models, name):
+    """--compile blocks reaches the rollout and the trainer alike: the native engine and `prepare_transformer` (as
+    the trainers call it) wrap exactly the family's `blocks_to_compile` (Qwen-Image: every block; Boogu-Image: the
+    double- and single-stream blocks, its refiners stay eager) and nothing else. The first generate compiles them;
+    the CPU smoke of bench_step.py runs that path end to end."""
     import rollout
+    from models import load_model
 
-    path = os.path.join(tiny_models, "qwen_image")
+    def compiled(model) -> list[bool]:
+        blocks = transformer_blocks(model.transformer, model.lora_block_prefixes)
+        return [hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks]
+
+    path = os.path.join(tiny_models, name)
+    expected = [any(prefix in key for prefix in load_model(path, transformer_only=True).blocks_to_compile)
+                for key in block_keys(path)]
+    assert any(expected) and (all(expected) == (name == "qwen_image")), expected
     for flag in (False, True):
-        engine = rollout.NativeEngine(path, compile_blocks=flag)
-        blocks = transformer_blocks(engine.model.transformer, engine.model.lora_block_prefixes)
-        assert [hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks] == [flag] * len(blocks)
+        assert compiled(rollout.NativeEngine(path, compile_blocks=flag).model) == [e and flag for e in expected]
+    model = load_model(path, transformer_only=True)
+    T.prepare_transformer(model.transformer, block_prefixes=model.lora_block_prefixes,
+                          target_modules=model.default_lora_targets, lora_rank=2, lora_alpha=2.0, device="cpu",
+                          fsdp="auto", compile="blocks",
+                          compile_prefixes=model.blocks_to_compile)
+    assert compiled(model) == expected
+
+
+def block_keys(path: str) -> list[str]:
+    """The module names of the family's blocks (in `transformer_blocks` order), read from a fresh load."""
+    from models import load_model
+
+    model = load_model(path, transformer_only=True)
+    blocks = transformer_blocks(model.transformer, model.lora_block_prefixes)
+    names = {id(module): name for name, module in model.transformer.named_modules()}
+    return [names[id(b)] for b in blocks]
 
 
 @pytest.mark.slow

@@ -352,14 +352,15 @@ def prepare_transformer(
     base_weights: str = "compute",
     fsdp: str = "always",
     compile: str = "off",
+    compile_prefixes: Sequence[str] | None = None,
 ):
     """LoRA -> frozen base weights to `base_weight_dtype(device, precision, base_weights)` -> (activation
     checkpointing of all blocks, or of `checkpoint_blocks` of them) -> FSDP2 (or, with fsdp="auto" on one rank,
-    `place_on_one_rank`) -> with compile="blocks", `models.base.compile_blocks`, in that order; returns the
-    `LoraConfig`.
+    `place_on_one_rank`) -> with compile="blocks", `models.base.compile_blocks` of `compile_prefixes` (None:
+    every block), in that order; returns the `LoraConfig`.
 
     For a FlowModel `m`: `prepare_transformer(m.transformer, block_prefixes=m.lora_block_prefixes,
-    target_modules=m.default_lora_targets, ...)`. The base weights are frozen; with two adapter names (DiffusionNFT)
+    target_modules=m.default_lora_targets, compile_prefixes=m.blocks_to_compile, ...)`. The base weights are frozen; with two adapter names (DiffusionNFT)
     "old" starts as an independent random init: hard-copy it (`models.lora.copy_adapter_(t, "default", "old")`)
     at the start of training, after any checkpoint load.
     """
@@ -380,7 +381,7 @@ def prepare_transformer(
     shard_transformer(transformer, block_prefixes, mp_policy=mixed_precision_policy(torch.device(device), precision),
                       device=device, fsdp=fsdp)
     if compile == "blocks":
-        compile_blocks(transformer, block_prefixes)
+        compile_blocks(transformer, compile_prefixes or block_prefixes)
     elif compile != "off":
         raise ValueError(f"compile must be 'off' or 'blocks', got {compile!r}")
     return config

@@ -561,7 +561,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
         precision=args.precision, activation_checkpointing=args.activation_checkpointing,
         init_lora_weights=parse_lora_init(args.lora_init_weights),
         checkpoint_blocks=args.activation_checkpointing_blocks, base_weights=args.base_weights_dtype, fsdp=args.fsdp,
-        compile=args.compile)
+        compile=args.compile, compile_prefixes=model.blocks_to_compile)
     num_lora_modules = len(lora.lora_layers(model.transformer, ADAPTER_DEFAULT))
     load_init_adapter(model.transformer, args.init_adapter, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                       expected_modules=num_lora_modules)  # --init_adapter (a no-op without it)
