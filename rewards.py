@@ -20,7 +20,9 @@ Extras (numeric, (B,) float32, NaN where a sample was not scored by that reward)
 computed; `pickscore/raw` = exp(logit_scale)*cos before the /26 (the published PickScore scale, ~21-24);
 `ocr/exact_match` = 1 when the whole normalised transcription equals the normalised target, else 0;
 `reward/ocr/empty_reply_frac` = 1 when the judge's reply was empty or whitespace (an empty transcription, scored as
-one: 0 against a non-empty target), else 0 - logged as a fraction, `critic/reward/ocr/empty_reply_frac`;
+one: 0 against a non-empty target), else 0 - logged as a fraction, `critic/reward/ocr/empty_reply_frac`; for the
+generative judges (http, local) also `reward/ocr/overlong_reply_frac`, `reward/ocr/refusal_frac` and
+`reward/ocr/unusable_reply_frac` (any of the three), from `judge_reply_kind`, and the text extra `ocr/reply_kind`;
 `reward/combined` for multi-reward. Metric keys are built by the trainers (training.validation_metrics); in a batch
 that mixes data sources, average extras with NaNs dropped.
 
@@ -53,8 +55,8 @@ import torch
 from PIL import Image
 
 from reward_models.genrm import (
-    GENRM_MAX_BACKOFF_S, DaemonThreadPool, GenRMHttpReader, GenRMLocalReader, GenRMServerError, SamplingConfig,
-    _JudgeUrls, genrm_request_budget_s,
+    GENRM_MAX_BACKOFF_S, REPLY_TOO_LARGE, DaemonThreadPool, GenRMHttpReader, GenRMLocalReader, GenRMServerError,
+    SamplingConfig, _JudgeUrls, genrm_request_budget_s,
 )
 from reward_models.pickscore import PickScore, default_cache_dir
 from reward_models.rapidocr import RapidOCRReader
@@ -63,9 +65,11 @@ __all__ = [
     # inputs
     "PIXEL_CONVENTION", "as_image_list", "validate_images", "to_pil",
     # the small reward functions
-    "ocr_score", "ocr_exact_match", "jpeg_size_kb", "jpeg_compressibility", "jpeg_incompressibility",
+    "ocr_score", "ocr_exact_match", "judge_reply_kind", "judge_probe_image", "jpeg_size_kb", "jpeg_compressibility",
+    "jpeg_incompressibility",
     # the scorer and its flags
-    "REWARD_NAMES", "OCR_BACKENDS", "OCR_EMPTY_REPLY", "GROUND_TRUTH_EXTRA_KEY", "RewardConfig",
+    "REWARD_NAMES", "OCR_BACKENDS", "OCR_EMPTY_REPLY", "OCR_OVERLONG_REPLY", "OCR_REFUSAL_REPLY",
+    "OCR_UNUSABLE_REPLY", "OCR_REPLY_KINDS", "JUDGE_PROBE_WORD", "GROUND_TRUTH_EXTRA_KEY", "RewardConfig",
     "parse_reward_weights", "reward_weights_arg", "add_reward_args", "RewardResult", "RewardScorer",
     # re-exported from reward_models/ (the reward models' names the trainers and the scorer's users meet)
     "SamplingConfig", "GenRMServerError", "DaemonThreadPool", "genrm_request_budget_s", "PickScore",
@@ -77,6 +81,17 @@ OCR_BACKENDS = ("http", "local", "rapidocr")
 # The per-sample 0/1 extra marking an empty or whitespace judge reply; its batch mean is logged as
 # critic/reward/ocr/empty_reply_frac (training.logs.reward_metrics: an extra named *_frac is a fraction).
 OCR_EMPTY_REPLY = "reward/ocr/empty_reply_frac"
+# What a generative judge's reply is (`judge_reply_kind`): a reading, or a kind that is not one; each of those has its
+# per-sample 0/1 extra (logged as fractions), and OCR_UNUSABLE_REPLY marks any of them.
+OCR_REPLY_KINDS = ("reading", "empty", "overlong", "refusal")
+OCR_OVERLONG_REPLY = "reward/ocr/overlong_reply_frac"
+OCR_REFUSAL_REPLY = "reward/ocr/refusal_frac"
+OCR_UNUSABLE_REPLY = "reward/ocr/unusable_reply_frac"
+# A reply longer than this many characters per --genrm_max_tokens token is over-long even when the server did not
+# say it stopped at max_tokens (English text averages ~4 characters per token)
+CHARS_PER_TOKEN = 4
+# The word of the start-up probe image (`judge_probe_image`): the judge must read it before a run starts
+JUDGE_PROBE_WORD = "OPEN"
 # Where a multi-reward finds the ground truth of a reward that is not the row's own data_source (edit rows keep both).
 GROUND_TRUTH_EXTRA_KEY = {"ocr": "target_text", "pickscore": "instruction"}
 
@@ -150,6 +165,46 @@ def ocr_exact_match(transcription: str, target: str) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 # JPEG size (DDPO)
 # ----------------------------------------------------------------------------------------------------------------
+
+_REFUSAL = re.compile(
+    r"(?:i'?m|i am) (?:sorry|unable|not able)\b|sorry,? (?:but )?i\b|i (?:can ?not|can't|won't|apologi[sz]e)\b"
+    r"|unfortunately,? i\b|as an ai\b", re.IGNORECASE)
+
+
+def judge_reply_kind(reply: str, target: str, max_tokens: int) -> str:
+    """What a generative judge's reply is, one of OCR_REPLY_KINDS:
+
+    - "overlong": the judge stopped at its token limit (`finish_reason` "length"), its body was too large to read
+      (REPLY_TOO_LARGE), or it is longer than CHARS_PER_TOKEN * max_tokens characters: a ramble, not a reading;
+    - "empty": empty or whitespace;
+    - "refusal": it opens as a refusal ("I'm sorry, but I can't ...", "I cannot ...", "As an AI ...") and does not
+      contain the target (a sign that reads "Sorry, we're closed" read right is a reading);
+    - "reading": anything else, scored by `ocr_score` as the transcription it is.
+
+    Every kind is still scored by `ocr_score` (an over-long or refusing reply scores near 0); the kinds are counted
+    so that a judge that does not read stops the run instead of training on zero rewards."""
+    if getattr(reply, "finish_reason", None) in ("length", REPLY_TOO_LARGE) or len(reply) > CHARS_PER_TOKEN * max_tokens:
+        return "overlong"
+    text = reply.strip().replace("\u2019", "'")
+    if not text:
+        return "empty"
+    if _REFUSAL.match(text) and ocr_score(text, target) < 1.0:
+        return "refusal"
+    return "reading"
+
+
+def judge_probe_image(word: str = JUDGE_PROBE_WORD) -> torch.Tensor:
+    """The start-up probe: `word` in black capitals on a white 384x160 image, uint8 (3, H, W), the same bytes on
+    every machine (Pillow's built-in font at a fixed size)."""
+    from PIL import ImageDraw, ImageFont
+
+    image = Image.new("RGB", (384, 160), "white")
+    draw = ImageDraw.Draw(image)
+    font = ImageFont.load_default(size=72)
+    left, top, right, bottom = draw.textbbox((0, 0), word, font=font)
+    draw.text(((384 - (right - left)) // 2 - left, (160 - (bottom - top)) // 2 - top), word, fill="black", font=font)
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()  # (3, H, W) uint8
+
 
 def jpeg_size_kb(image: Image.Image, quality: int = 95) -> float:
     """Size of the image saved as JPEG at `quality`, in kilobytes of 1000 bytes (DDPO: `buffer.tell() / 1000`)."""
@@ -429,7 +484,15 @@ class RewardScorer:
             # an empty / whitespace reply is an empty transcription, scored by ocr_score's definition (0 unless the
             # target is empty too), and counted: many of them mean a judge that reads nothing, not bad images
             empty = torch.tensor([float(not r.strip()) for r in replies], dtype=torch.float32)
-            return scores, {"ocr/exact_match": exact, OCR_EMPTY_REPLY: empty}, {"ocr/response": replies}
+            extras = {"ocr/exact_match": exact, OCR_EMPTY_REPLY: empty}
+            texts = {"ocr/response": list(replies)}
+            if self.config.ocr_backend != "rapidocr":  # a generative judge: is each reply a reading at all?
+                kinds = [judge_reply_kind(r, g, self.config.sampling.max_tokens) for r, g in zip(replies, gts)]
+                flags = {kind: torch.tensor([float(k == kind) for k in kinds]) for kind in OCR_REPLY_KINDS}
+                extras.update({OCR_EMPTY_REPLY: flags["empty"], OCR_OVERLONG_REPLY: flags["overlong"],
+                               OCR_REFUSAL_REPLY: flags["refusal"], OCR_UNUSABLE_REPLY: 1.0 - flags["reading"]})
+                texts["ocr/reply_kind"] = kinds
+            return scores, extras, texts
         if name == "pickscore":
             scores, raw = self.pickscore()(images, gts)
             return scores, {"pickscore/raw": raw}, {}

@@ -3,7 +3,8 @@
 `GenRMHttpReader` sends verl-omni's OCR request to an OpenAI-compatible chat-completions server (judge replicas
 round-robin, a deadline over each whole reply, retries with backoff, a judge restart ridden out), on the threads of
 a `DaemonThreadPool`; `GenRMLocalReader` runs a Qwen3-VL-Instruct checkpoint with transformers' `generate`. Both
-take PIL images and return the verbatim replies; `rewards.ocr_score` turns a reply into a reward.
+take PIL images and return the verbatim replies (`JudgeReply`: the text and how it ended); `rewards.ocr_score`
+turns a reply into a reward and `rewards.judge_reply_kind` says whether it is a reading at all.
 
 May import the standard library, numpy / torch / PIL and (lazily) transformers; never `rewards` (which imports it).
 """
@@ -60,6 +61,33 @@ class SamplingConfig:
     top_p: float = 1.0
     max_tokens: int = 4096
     seed: int | None = None
+
+
+class JudgeReply(str):
+    """A judge's reply: its text (a `str`, taken verbatim) and `finish_reason`, how it ended: the server's
+    `choices[0].finish_reason` ("stop", "length": cut at max_tokens, ...; None when it gave none) or
+    REPLY_TOO_LARGE when the reply's body was larger than the reader's limit (`max_reply_bytes`) and was not read
+    (the text is then empty: a cut JSON body holds no content to take)."""
+
+    finish_reason: str | None
+
+    def __new__(cls, text: str, finish_reason: str | None = None) -> "JudgeReply":
+        reply = super().__new__(cls, text)
+        reply.finish_reason = finish_reason
+        return reply
+
+    def __reduce__(self):
+        return JudgeReply, (str(self), self.finish_reason)
+
+
+REPLY_TOO_LARGE = "too_large"  # JudgeReply.finish_reason of a body over `max_reply_bytes`
+MAX_REPLY_BYTES_PER_TOKEN = 64  # JSON-escaped UTF-8 of one token is far below this (a CJK character: 6 bytes)
+
+
+def max_reply_bytes(max_tokens: int) -> int:
+    """The largest reply body a judge asked for at most `max_tokens` new tokens can honestly send: 64 bytes per
+    token plus 64 KiB for the JSON around them (4096 tokens: 320 KiB). A body past it is not read further."""
+    return (64 << 10) + MAX_REPLY_BYTES_PER_TOKEN * max(int(max_tokens), 1)
 
 
 class GenRMServerError(RuntimeError):
@@ -165,7 +193,10 @@ class GenRMHttpReader:
     `url` may list several judge replicas, comma-separated (`--genrm_url` repeated or `URL1,URL2`): requests start
     on the replicas in turn (round-robin), and each retry of a request goes to the next replica, so one replica
     that is down or failing costs a retry, not the batch. An empty or whitespace `content` is a
-    reply (an empty transcription); a reply without a string `content` is not, and is an error.
+    reply (an empty transcription); a reply without a string `content` is not, and is an error. A reply body
+    larger than `max_reply_bytes(max_tokens)` is not buffered: reading stops there and the reply comes back empty
+    with finish_reason REPLY_TOO_LARGE (counted as an over-long reply, `rewards.judge_reply_kind`), so a server that
+    ignores max_tokens costs neither the deadline nor the memory.
     """
 
     def __init__(self, url: str, model: str, sampling: SamplingConfig, *, concurrency: int = 32,
@@ -204,8 +235,9 @@ class GenRMHttpReader:
             body["seed"] = self.sampling.seed
         return body
 
-    def _post_once(self, payload: bytes, endpoint: "_Endpoint") -> str:
-        """One attempt to `endpoint`, all of it within `timeout_s` of wall clock; returns the reply's `content`."""
+    def _post_once(self, payload: bytes, endpoint: "_Endpoint") -> JudgeReply:
+        """One attempt to `endpoint`, all of it within `timeout_s` of wall clock; returns the reply's `content` and
+        finish reason (an empty REPLY_TOO_LARGE reply once the body passes `max_reply_bytes`)."""
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -235,6 +267,7 @@ class GenRMHttpReader:
             conn.request("POST", endpoint.path, body=payload, headers=headers)
             resp = conn.getresponse()
             chunks = []
+            received, limit = 0, max_reply_bytes(self.sampling.max_tokens)
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or expired.is_set():
@@ -244,7 +277,12 @@ class GenRMHttpReader:
                 chunk = resp.read1(65536)
                 if not chunk:
                     break
+                received += len(chunk)
                 chunks.append(chunk)
+                if received > limit:  # the rest is never read (the connection closes)
+                    if resp.status >= 400:
+                        raise _HttpStatus(resp.status, resp.reason, b"".join(chunks)[:300])
+                    return JudgeReply("", REPLY_TOO_LARGE)
             body = b"".join(chunks)
             if expired.is_set():
                 raise _DeadlineExceeded(f"the reply was cut at the {self.timeout_s:g} s deadline")
@@ -264,7 +302,7 @@ class GenRMHttpReader:
             raise _HttpStatus(resp.status, resp.reason, body[:300])
         return parse_chat_content(body)
 
-    def _transcribe_one(self, image: Image.Image) -> str:
+    def _transcribe_one(self, image: Image.Image) -> JudgeReply:
         payload = json.dumps(self.request_body(image)).encode("utf-8")
         last_error: BaseException | None = None
         start = time.monotonic()
@@ -306,7 +344,7 @@ class GenRMHttpReader:
             f"OpenAI-compatible /v1/chat/completions."
         ) from last_error
 
-    def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
+    def transcribe(self, images: Sequence[Image.Image]) -> list[JudgeReply]:
         futures = [self._pool.submit(self._transcribe_one, img) for img in images]
         concurrent.futures.wait(futures)  # no request outlives the batch, even when one has failed
         errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
@@ -344,18 +382,20 @@ def genrm_request_budget_s(timeout_s: float, max_retries: int, backoff_s: float,
     return counted + (retry_total_s + timeout_s if retry_total_s > 0 else 0.0)
 
 
-def parse_chat_content(body: bytes) -> str:
-    """The `choices[0].message.content` string of a chat-completions reply body. Empty or whitespace is a valid
-    (empty) transcription; anything without a string content (not JSON, no choices, content null or a list) raises
-    `_MalformedReply` quoting the body."""
+def parse_chat_content(body: bytes) -> JudgeReply:
+    """The `choices[0].message.content` string of a chat-completions reply body, with `choices[0].finish_reason`
+    (None when absent or not a string). Empty or whitespace is a valid (empty) transcription; anything without a
+    string content (not JSON, no choices, content null or a list) raises `_MalformedReply` quoting the body."""
     try:
         reply = json.loads(body)
-        content = reply["choices"][0]["message"]["content"]
+        choice = reply["choices"][0]
+        content = choice["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise _MalformedReply(f"malformed chat-completions reply ({exc!r}): {body[:200]!r}") from exc
     if not isinstance(content, str):
         raise _MalformedReply(f"reply content is {type(content).__name__}, not a string: {body[:200]!r}")
-    return content
+    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+    return JudgeReply(content, finish if isinstance(finish, str) else None)
 
 
 class _MalformedReply(RuntimeError):
@@ -431,7 +471,8 @@ def chat_completions_url(url: str) -> str:
 class GenRMLocalReader:
     """Transcribe images with a local Qwen3-VL-Instruct checkpoint through transformers' `generate` (left-padded
     batches, greedy when temperature == 0). Same messages as the HTTP backend; the reply is the decoded new tokens
-    with special tokens skipped, taken verbatim."""
+    with special tokens skipped, taken verbatim, with finish_reason "length" when it used all max_tokens without
+    an end token, else "stop"."""
 
     def __init__(self, model_path: str, sampling: SamplingConfig, *, device: str = "cpu",
                  dtype: torch.dtype | None = None, batch_size: int = 8):
@@ -446,6 +487,13 @@ class GenRMLocalReader:
         self.processor.tokenizer.padding_side = "left"
         self.model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
 
+    def end_token_ids(self) -> list[int]:
+        """The tokens that end a generation: the generation config's eos ids and the tokenizer's pad id."""
+        eos = self.model.generation_config.eos_token_id
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        pad = self.processor.tokenizer.pad_token_id
+        return [i for i in ids + [pad] if i is not None] or [-1]
+
     @staticmethod
     def messages(image: Image.Image) -> list[dict]:
         return [
@@ -457,8 +505,8 @@ class GenRMLocalReader:
         ]
 
     @torch.no_grad()
-    def transcribe(self, images: Sequence[Image.Image]) -> list[str]:
-        replies: list[str] = []
+    def transcribe(self, images: Sequence[Image.Image]) -> list[JudgeReply]:
+        replies: list[JudgeReply] = []
         for start in range(0, len(images), self.batch_size):
             chunk = images[start:start + self.batch_size]
             inputs = self.processor.apply_chat_template(
@@ -476,7 +524,10 @@ class GenRMLocalReader:
                 if self.sampling.seed is not None:
                     torch.manual_seed(self.sampling.seed + start)
                 out = self.model.generate(**inputs, **gen_kwargs)
-            new_tokens = out[:, inputs["input_ids"].shape[1]:]
-            replies.extend(self.processor.batch_decode(new_tokens, skip_special_tokens=True))
+            new_tokens = out[:, inputs["input_ids"].shape[1]:]  # (B, T), padded after each row's end token
+            texts = self.processor.batch_decode(new_tokens, skip_special_tokens=True)
+            ended = torch.isin(new_tokens, torch.tensor(self.end_token_ids(), device=new_tokens.device)).any(dim=1)
+            full = new_tokens.shape[1] >= self.sampling.max_tokens
+            replies.extend(JudgeReply(t, "length" if full and not e else "stop") for t, e in zip(texts, ended.tolist()))
         return replies
 

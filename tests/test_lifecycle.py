@@ -348,22 +348,33 @@ def test_a_dead_rollout_worker_ends_the_run_after_saving_the_last_step(demo_data
 
 
 @pytest.mark.slow
-def test_a_judge_that_reads_nothing_stops_the_run_naming_its_replies(demo_data, tiny_models, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("reply, finish, counts", [
+    ("", None, "4 empty, 0 over-long, 0 refusals"),
+    ("I'm sorry, but I can't help with that.", None, "0 empty, 0 over-long, 4 refusals"),
+], ids=["empty", "refusal"])  # an over-long reply takes the same path (counted: tests/test_rewards.py)
+def test_a_judge_that_does_not_read_stops_the_run_naming_its_replies(demo_data, tiny_models, tmp_path,  # noqa: F811
+                                                                    reply, finish, counts):
+    """A judge that answers every request after step 1 with nothing or a refusal: the step's replies are logged,
+    the last finished step is saved and the run stops with one line naming the counts. Before, a refusing judge
+    trained on zero rewards at rc 0."""
     out = tmp_path / "run"
-    # the start-up probe and step 1 (2 prompts x 2 samples) read text, then every reply is empty
-    with FakeJudge(reply=["Exit 42"] * 5 + [""] * 100) as judge:
+    # the start-up probe (read by FakeJudge) and step 1 (2 prompts x 2 samples) read text, then no more
+    with FakeJudge(reply=["Exit 42"] * 5 + [reply] * 100, finish_reason=[None] * 5 + [finish] * 100) as judge:
         proc = run_trainer("train_dppo.py", base_flags(
             tiny_models, demo_data, out, train_files=ocr_data(demo_data, tmp_path), save_freq=100,
-            total_training_steps=4, genrm_url=judge.url, judge_max_empty_frac=0.5, judge_log_freq=0),
-            nproc=1, expect_ok=False)
+            total_training_steps=4, genrm_url=judge.url, judge_max_unusable_frac=0.5, judge_log_freq=0,
+            genrm_max_tokens=64), nproc=1, expect_ok=False)
     assert proc.returncode != 0
     log = out / "judge_replies.jsonl"
-    assert re.search(rf"JudgeRepliesEmpty: the OCR judge \(--genrm_url {re.escape(judge.url)}\) returned empty replies "
-                     rf"for 4 of the 4 samples it read in step 2 \(100% > --judge_max_empty_frac 0.5\).*Its replies "
-                     rf"are in {re.escape(str(log))}", proc.stderr), proc.stderr[-3000:]
+    assert re.search(rf"JudgeNotReading: the OCR judge \(--genrm_url {re.escape(judge.url)}\): 4 of the 4 samples it "
+                     rf"read in step 2 were not readings \({counts}\), 100% > --judge_max_unusable_frac 0.5.*Its "
+                     rf"replies are in {re.escape(str(log))}", proc.stderr), proc.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [(r["phase"], r["step"], r["ocr/response"]) for r in records] == [("train", 2, "")] * 4
+    assert [(r["phase"], r["step"], r["ocr/response"]) for r in records] == [("train", 2, reply)] * 4
     assert "saved checkpoint" in proc.stdout and "step 1, the last finished step" in proc.stdout
+    if reply:  # the odd replies are printed with an example at the step they happen
+        assert f"step 2: the OCR judge's replies to 4 of the 4 samples" in proc.stdout
+        assert repr(reply[:80]) in proc.stdout
 
 
 @pytest.mark.slow

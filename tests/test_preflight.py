@@ -137,11 +137,33 @@ def test_the_judge_is_probed_once_when_an_ocr_reward_is_scored(flags, tmp_path):
             rf"judge at --genrm_url 127.0.0.1:{port} did not answer a start-up probe request: GenRM server "
             rf"http://127.0.0.1:{port}/v1/chat/completions failed 1 attempt")
     assert time.monotonic() - start < 5
-    with FakeJudge(reply="") as judge:
+    with FakeJudge(reply="") as judge:  # reads the probe's word (and nothing else)
         found = T.run_preflight(train_dppo.parse_args(argv + ["--genrm_url", judge.url]), 1)
     assert found["rewards"] == ["ocr"] and found["judge_probe_s"] < 5 and len(judge.requests) == 1
     with FakeJudge(behaviours=["no_content"]) as judge:
         refused(argv + ["--genrm_url", judge.url], r"did not answer a start-up probe.*not a transcription")
+
+
+@pytest.mark.parametrize("reply, finish, what", [
+    ("I'm sorry, but I can't help with that.", None, "a refusal"),
+    ("", None, "an empty reply"),
+    ("OPEN OPEN OPEN", "length", "an over-long reply"),
+    ("x" * 5000, None, "an over-long reply"),
+    ("CLOSED", None, "a reply that is not the word"),
+], ids=["refusal", "empty", "cut_at_max_tokens", "ramble", "other_text"])
+def test_the_start_up_probe_requires_the_judge_to_read_a_known_word(flags, tmp_path, reply, finish, what):
+    """The probe sends an image of rewards.JUDGE_PROBE_WORD; a judge that answers anything but that word (a refusal,
+    nothing, a ramble cut at max_tokens or past it, another text) is refused before any model loads, the reply
+    quoted. Before, any text passed, and a refusing judge trained on zero rewards."""
+    train = rewrite(flags["train_files"], tmp_path / "ocr.parquet",
+                    lambda rows: [row.update(data_source="ocr") for row in rows])
+    argv = cli(**{**flags, "train_files": train, "val_files": None}, genrm_max_retries=0, genrm_timeout_s=5,
+               genrm_max_tokens=1024)
+    with FakeJudge(reply=reply, reads_probe=False, finish_reason=finish) as judge:
+        message = refused(argv + ["--genrm_url", judge.url],
+                          rf"--genrm_url {re.escape(judge.url)} \(model .*\) could not read a start-up probe image of "
+                          rf"the word 'OPEN': it gave {what}, ")
+    assert repr(reply[:120] + ("..." if len(reply) > 120 else "")) in message
 
 
 def test_collective_timeouts_outlast_every_phase_timeout(monkeypatch):

@@ -143,11 +143,18 @@ class FakeJudge(LocalServer):
     """Scripted chat-completions server. `behaviours` is consumed one per request (last one repeats):
     "ok" -> reply with `reply` (a list: the k-th request gets reply[k]), an int -> that HTTP status, "sleep" -> stall
     for `stall_s`, "garbage" -> non-JSON, "null_content" / "no_content" -> a chat completion whose message content
-    is null / missing."""
+    is null / missing. With `reads_probe` an "ok" request whose image is the trainers' start-up probe
+    (`rewards.judge_probe_image`) is answered with the probe's word, as a judge that reads would (it still counts
+    as the k-th request). `finish_reason` (a list: per request, like `reply`) goes into the "ok" replies when given."""
 
-    def __init__(self, behaviours=("ok",), reply="Grand Opening", stall_s=2.0, delay_s=0.0, port=0):
+    def __init__(self, behaviours=("ok",), reply="Grand Opening", stall_s=2.0, delay_s=0.0, port=0,
+                 reads_probe=True, finish_reason=None):
+        from reward_models.genrm import png_data_url
+
         self.behaviours = list(behaviours)
         self.reply, self.stall_s, self.delay_s = reply, stall_s, delay_s
+        self.probe_url = png_data_url(R.to_pil(R.judge_probe_image())) if reads_probe else None
+        self.finish_reason = finish_reason
         self.requests: list[dict] = []
         self.paths: list[str] = []
         self.lock = threading.Lock()
@@ -182,8 +189,14 @@ class FakeJudge(LocalServer):
                         payload, status = json.dumps({"choices": [{"index": 0, "message": message}]}).encode(), 200
                     else:
                         reply = judge.reply[k] if isinstance(judge.reply, list) else judge.reply
-                        payload = json.dumps({"choices": [{"index": 0, "message": {
-                            "role": "assistant", "content": reply}}]}).encode()
+                        if judge.probe_url and body["messages"][1]["content"][0]["image_url"]["url"] == judge.probe_url:
+                            reply = R.JUDGE_PROBE_WORD
+                        choice = {"index": 0, "message": {"role": "assistant", "content": reply}}
+                        finish = judge.finish_reason
+                        finish = finish[k] if isinstance(finish, list) else finish
+                        if finish:
+                            choice["finish_reason"] = finish
+                        payload = json.dumps({"choices": [choice]}).encode()
                         status = 200
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -446,6 +459,54 @@ def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted(tmp_path):
     assert all(r["phase"] == "train" and r["step"] == 3 for r in lines)
 
 
+def test_judge_reply_kind_tells_a_reading_from_what_is_not_one():
+    """Independently written expectations: cut at max_tokens / too large / longer than 4 characters per token ->
+    overlong; blank -> empty; a refusal's opening without the target -> refusal; everything else is a reading (a
+    sign that says "Sorry, we're closed" read right, a partial or wrong reading)."""
+    cases = [
+        ("Grand Opening", None, "Grand Opening", "reading"),
+        ("Grand Openin", None, "Grand Opening", "reading"),
+        ("CLOSED", None, "Grand Opening", "reading"),
+        ("Sorry, we're closed", None, "Sorry we're closed", "reading"),
+        ("I’m sorry, but I can’t help with that.", None, "Grand Opening", "refusal"),
+        ("I cannot read the text in this image.", None, "OPEN", "refusal"),
+        ("As an AI, I do not transcribe images.", None, "OPEN", "refusal"),
+        ("  \n", None, "OPEN", "empty"),
+        ("", G.REPLY_TOO_LARGE, "OPEN", "overlong"),
+        ("OPEN", "length", "OPEN", "overlong"),
+        ("OPEN", "stop", "OPEN", "reading"),
+        ("a" * 256, None, "OPEN", "reading"),  # 4 characters x 64 tokens: still within the budget
+        ("a" * 257, None, "OPEN", "overlong"),
+    ]
+    for text, finish, target, kind in cases:
+        assert R.judge_reply_kind(G.JudgeReply(text, finish), target, 64) == kind, (text[:40], finish)
+
+
+def test_genrm_http_replies_that_are_not_readings_are_counted_and_a_huge_body_is_not_read():
+    """A refusal, a reply cut at max_tokens (finish_reason "length") and a 50 MB body (a server that ignores
+    max_tokens) are scored like any reply but counted per sample (over-long, refusal, unusable), and the huge body
+    is dropped after max_reply_bytes instead of being buffered to the deadline. Before: all three were readings,
+    and the reader held the whole body."""
+    refusal = "I'm sorry, but I can't help with that."
+    with FakeJudge(reply=["Grand Opening", refusal, "Grand Grand Grand"]) as judge:
+        scorer = http_scorer(judge.url, genrm_concurrency=1)
+        res = scorer.score_batch([noise_image(i) for i in range(3)], ["Grand Opening"] * 3, ["ocr"] * 3)
+    assert res.texts["ocr/reply_kind"] == ["reading", "refusal", "reading"]
+    assert res.extras[R.OCR_REFUSAL_REPLY].tolist() == [0.0, 1.0, 0.0]
+    assert res.extras[R.OCR_UNUSABLE_REPLY].tolist() == [0.0, 1.0, 0.0]
+    with FakeJudge(reply="Grand Grand Grand", finish_reason="length") as judge:
+        res = http_scorer(judge.url).score_batch([noise_image(0)], ["Grand Opening"], ["ocr"])
+    assert res.texts["ocr/reply_kind"] == ["overlong"] and res.extras[R.OCR_OVERLONG_REPLY].tolist() == [1.0]
+    huge = "Grand Opening " * (50 * 2 ** 20 // 14)
+    with FakeJudge(reply=huge) as judge:
+        reader = http_scorer(judge.url).ocr_reader()
+        start = time.monotonic()
+        [reply] = reader.transcribe([R.to_pil(noise_image(0))])
+    assert reply == "" and reply.finish_reason == G.REPLY_TOO_LARGE and time.monotonic() - start < 5
+    assert G.max_reply_bytes(64) == 64 * 1024 + 64 * 64
+    assert R.judge_reply_kind(reply, "Grand Opening", 64) == "overlong"
+
+
 @pytest.mark.parametrize("shape", ["null_content", "no_content"])
 def test_genrm_http_reply_that_is_not_a_transcription_names_the_sample(shape):
     with FakeJudge(behaviours=["ok", shape]) as judge:
@@ -525,6 +586,8 @@ def test_genrm_local_backend_tiny_qwen3_vl(tiny_models):
     res = scorer.score_batch(images, gts, ["ocr"] * 3)
     replies = res.texts["ocr/response"]
     assert all(isinstance(r, str) for r in replies)
+    # 6 new tokens of a random model never reach its end token: every reply stops at max_tokens, an over-long one
+    assert [r.finish_reason for r in replies] == ["length"] * 3 and res.texts["ocr/reply_kind"] == ["overlong"] * 3
     assert res.rewards.tolist() == pytest.approx([R.ocr_score(r, g) for r, g in zip(replies, gts)])
     # Left-padded batched greedy decoding equals one-at-a-time decoding.
     reader = scorer.ocr_reader()

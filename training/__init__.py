@@ -85,7 +85,8 @@ from .flags import (add_common_args, resolve_device, resolve_cfg_scale, run_dir_
                     parse_lora_init, check_rollout_lag)
 # 9. rewards of a rollout (scored while it samples), the judge's reply log, global advantages
 from .scoring import (score_inputs, score_samples, nonfinite_rows, score_finite, RewardStream, JUDGE_LOG,
-                      JudgeRepliesEmpty, empty_reply_counts, judge_records, log_judge_replies, append_judge_log,
+                      JudgeNotReading, JudgeReplyCounts, judge_reply_counts, judge_records, log_judge_replies,
+                      append_judge_log,
                       global_advantages)
 # 10. one training rollout: request, submission, collection with its checks, the lagged look-ahead
 from .rollouts import (rollout_request, submit_rollout, rollout_and_score, log_rollout_images, peek_batch,

@@ -174,11 +174,14 @@ def add_common_args(parser) -> None:
                    help="the trainer's trace of --profile_step ends after this many update micro-steps (one loss, "
                         "its backward and the next forwards each), so that a long update costs seconds of tracing, "
                         "not minutes; 0 = the whole step")
-    g.add_argument("--judge_max_empty_frac", type=float, default=0.9,
-                   help="stop the run when more than this fraction of a step's OCR judge replies are empty (a judge "
-                        "that reads nothing trains on zeros); the message names <output_dir>/judge_replies.jsonl "
-                        "(1 = never stop). Applies to the generative judges (--ocr_backend http / local); rapidocr "
-                        "reading no text in an illegible image is a correct reading")
+    g.add_argument("--judge_max_unusable_frac", "--judge_max_empty_frac", dest="judge_max_unusable_frac",
+                   type=float, default=0.9,
+                   help="stop the run, the last finished step saved, when more than this fraction of a step's OCR "
+                        "judge replies are not readings: empty, over-long (cut at --genrm_max_tokens, or larger) or "
+                        "refusals (a judge that does not read trains on zeros); the message names "
+                        "<output_dir>/judge_replies.jsonl (1 = never stop). Applies to the generative judges "
+                        "(--ocr_backend http / local); rapidocr reading no text in an illegible image is a correct "
+                        "reading. (--judge_max_empty_frac is its former name)")
     g.add_argument("--collective_timeout_s", type=float, default=0.0,
                    help="timeout of the process groups (main and per node); 0 = the longest per-phase timeout "
                         "(--rollout_timeout_s, --rollout_startup_timeout_s, a judge request with its retries) + "

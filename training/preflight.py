@@ -256,24 +256,37 @@ def check_output_dir(output_dir: str) -> None:
 
 
 def probe_judge(args) -> float:
-    """One tiny OCR request (a 32x32 white image) through the run's own judge client, deadline and retries
-    included; returns its duration in seconds. A judge that is down, slow past its deadline or replies with
-    something that is not a chat completion raises PreflightError naming --genrm_url."""
-    import torch
+    """One OCR request through the run's own judge client (deadline and retries included): an image of the word
+    `rewards.JUDGE_PROBE_WORD` (`rewards.judge_probe_image`), which the judge must read. Returns the request's
+    duration in seconds. A judge that is down, slow past its deadline, replies with something that is not a chat
+    completion, or answers with anything but that word (nothing, a refusal, a ramble, another text) raises
+    PreflightError naming --genrm_url and quoting the reply."""
+    import dataclasses
 
     import rewards
 
-    import dataclasses
-
     # a judge that is down at start-up is reported in seconds: the long --genrm_retry_total_s is for a restart mid-run
     scorer = rewards.RewardScorer(dataclasses.replace(rewards.RewardConfig.from_args(args), genrm_retry_total_s=0.0))
+    word = rewards.JUDGE_PROBE_WORD
     start = time.monotonic()
     try:
-        scorer.score_batch([torch.full((3, 32, 32), 255, dtype=torch.uint8)], ["probe"], ["ocr"])
+        result = scorer.score_batch([rewards.judge_probe_image(word)], [word], ["ocr"])
     except rewards.GenRMServerError as e:
         raise PreflightError(f"the OCR judge at --genrm_url {args.genrm_url} did not answer a start-up probe "
                              f"request: {e.detail}") from None
-    return time.monotonic() - start
+    seconds = time.monotonic() - start
+    reply = result.texts["ocr/response"][0]
+    kind = result.texts["ocr/reply_kind"][0]
+    if kind != "reading" or float(result.rewards[0]) < 0.5:
+        what = {"empty": "an empty reply", "overlong": "an over-long reply", "refusal": "a refusal"}.get(
+            kind, "a reply that is not the word")
+        shown = reply[:120] + ("..." if len(reply) > 120 else "")
+        raise PreflightError(
+            f"the OCR judge at --genrm_url {args.genrm_url} (model {args.genrm_model}) could not read a start-up "
+            f"probe image of the word {word!r}: it gave {what}, {shown!r}. A judge that does not read trains on "
+            f"zero rewards; check that the server serves a vision-language model (--genrm_model) that reads text, "
+            f"with image inputs enabled")
+    return seconds
 
 
 def run_preflight(args, world: int, *, cfg_defaults: Mapping[str, float] | None = None) -> dict[str, Any]:

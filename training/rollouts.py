@@ -1,6 +1,7 @@
 """One training rollout as both trainers run it: the request for this rank's prompts (n samples each, seeded per
 global row), its submission (scored while it samples), and its collection with the checks every step needs
-(non-finite samples skip the update, an empty judge stops the run), plus --rollout_policy_lag's look-ahead."""
+(non-finite samples skip the update, a judge that does not read stops the run), plus --rollout_policy_lag's
+look-ahead."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from typing import Any, Sequence
 
 from .distributed import get_rank
 from .logs import rollout_grid
-from .scoring import (JUDGE_LOG, JudgeRepliesEmpty, RewardStream, _sum_over_ranks, empty_reply_counts, judge_records,
-                      log_judge_replies, nonfinite_rows, score_inputs, score_samples)
+from .scoring import (JUDGE_LOG, JudgeNotReading, JudgeReplyCounts, RewardStream, _sum_over_ranks, judge_records,
+                      judge_reply_counts, log_judge_replies, nonfinite_rows, score_inputs, score_samples)
 
 __all__ = ["rollout_request", "submit_rollout", "rollout_and_score", "log_rollout_images", "peek_batch",
            "lag_next_rollout"]
@@ -77,8 +78,8 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
         error = e
     phase = f"the rollout{f' of step {step}' if step is not None else ''}"
     run.raise_fatal(error, phase)  # every rank raises alike, after the last finished step was written
-    counts = _sum_over_ranks([len(bad), *empty_reply_counts(scored)])
-    nonfinite, empty, judged = int(counts[0]), int(counts[1]), int(counts[2])
+    counts = [int(c) for c in _sum_over_ranks([len(bad), *judge_reply_counts(scored).as_list()])]
+    nonfinite, replies = counts[0], JudgeReplyCounts(*counts[1:])
     stats["rollout/nonfinite_samples"] = float(nonfinite)
     # like a non-finite loss: every update of this step is skipped (and counted towards --max_consecutive_skips)
     run.stepper.reject_batch(f"{nonfinite} non-finite rollout sample(s) (NaN/inf latents; not scored)"
@@ -86,24 +87,8 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
     if nonfinite and get_rank() == 0:
         print(f"step {step}: {nonfinite} rollout sample(s) came back non-finite (NaN/inf latents): not scored, and "
               f"the step's update is skipped like a non-finite loss", flush=True)
-    freq = getattr(run.args, "judge_log_freq", 0)
-    limit = getattr(run.args, "judge_max_empty_frac", 1.0)
-    # a generative judge (served or local) that replies with nothing is broken; rapidocr finding no text in an
-    # illegible image has read it correctly (its empty transcription scores 0 and teaches legibility)
-    too_empty = (step is not None and run.args.ocr_backend != "rapidocr" and judged > 0 and empty / judged > limit)
-    if step is not None and ((freq and step % freq == 0) or too_empty):
-        log_judge_replies(run.args.output_dir, judge_records(rows, run.args.rollout_n, scored, phase="train",
-                                                             step=step))
-    if too_empty:
-        backend = run.args.ocr_backend
-        which = f"--genrm_url {run.args.genrm_url}" if backend == "http" else f"--ocr_backend {backend}"
-        error = JudgeRepliesEmpty(
-            f"the OCR judge ({which}) returned empty replies for {empty} of the {judged} "
-            f"samples it read in step {step} ({empty / judged:.0%} > --judge_max_empty_frac {limit:g}): a judge that "
-            f"reads nothing trains on zero rewards. Its replies are in {os.path.join(run.args.output_dir, JUDGE_LOG)}; "
-            f"check the served model and its prompt, then --resume auto")
-        run.fail_with_checkpoint(error, phase)
-        raise error
+    if step is not None:
+        check_judge_replies(run, rows, scored, replies, step, phase)
     image_freq = getattr(run.args, "rollout_image_freq", 0)
     if step is not None and image_freq and step % image_freq == 0 and get_rank() == 0:
         log_rollout_images(run.logger, result, scored, rows, bad, run.args, step)
@@ -112,6 +97,44 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
         stats["rollout/adapter_version"] = float(version[1:])
     timings.update(stats)
     return result, scored
+
+
+def check_judge_replies(run, rows: Sequence[Any], scored, replies: JudgeReplyCounts, step: int, phase: str) -> None:
+    """The judge's replies of training step `step` (`replies`: counted over every rank): every --judge_log_freq-th
+    step all of them go to <output_dir>/judge_replies.jsonl; a step with over-long or refusing replies logs those
+    and prints one line with examples; more than --judge_max_unusable_frac of them not readings (empty, over-long,
+    refusals) stops the run with the last finished step saved (`JudgeNotReading`). A generative judge (served or
+    local) that answers with nothing, a ramble or a refusal is broken; RapidOCR finding no text in an illegible
+    image has read it correctly (its empty transcription scores 0 and teaches legibility), so it is never stopped.
+    Collective (every rank sees the same counts)."""
+    args = run.args
+    generative = args.ocr_backend != "rapidocr"
+    limit = getattr(args, "judge_max_unusable_frac", 1.0)
+    stop = generative and replies.judged > 0 and replies.unusable / replies.judged > limit
+    odd = generative and replies.overlong + replies.refusal > 0
+    log_all = bool(args.judge_log_freq) and step % args.judge_log_freq == 0
+    if not (log_all or stop or odd):
+        return
+    records = judge_records(rows, args.rollout_n, scored, phase="train", step=step)
+    if not (log_all or stop):
+        records = [r for r in records if r.get("ocr/reply_kind") in ("overlong", "refusal")]
+    logged = log_judge_replies(args.output_dir, records)
+    log_path = os.path.join(args.output_dir, JUDGE_LOG)
+    what = (f"{replies.unusable} of the {replies.judged} samples it read in step {step} were not readings "
+            f"({replies.empty} empty, {replies.overlong} over-long, {replies.refusal} refusals)")
+    if odd and get_rank() == 0:
+        examples = [r["ocr/response"] for r in logged if r.get("ocr/reply_kind") in ("overlong", "refusal")][:2]
+        shown = "; ".join(repr(e[:80] + ("..." if len(e) > 80 else "")) for e in examples)
+        print(f"step {step}: the OCR judge's replies to {what}, e.g. {shown or '(a reply too large to read)'}; "
+              f"they are in {log_path}", flush=True)
+    if stop:
+        which = f"--genrm_url {args.genrm_url}" if args.ocr_backend == "http" else f"--ocr_backend {args.ocr_backend}"
+        error = JudgeNotReading(
+            f"the OCR judge ({which}): {what}, {replies.unusable / replies.judged:.0%} > --judge_max_unusable_frac "
+            f"{limit:g}: a judge that does not read trains on zero rewards. Its replies are in {log_path}; check the "
+            f"served model and its prompt, then --resume auto")
+        run.fail_with_checkpoint(error, phase)
+        raise error
 
 
 def log_rollout_images(logger, result, scored, rows: Sequence[Any], bad: Sequence[int], args, step: int) -> None:

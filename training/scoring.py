@@ -1,6 +1,6 @@
 """Rewards of a rollout and their advantages: the score inputs of each row, scoring that skips non-finite samples,
-`RewardStream` (scoring while the rollout still samples), the judge's reply log and its empty-reply guard, and the
-group advantages over the global batch."""
+`RewardStream` (scoring while the rollout still samples), the judge's reply log and the counts of its replies that
+are not readings, and the group advantages over the global batch."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import concurrent.futures
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -18,7 +19,8 @@ from .distributed import all_gather_cat, get_rank, get_world_size
 from .logs import all_gather_objects, reward_metrics
 
 __all__ = ["score_inputs", "score_samples", "nonfinite_rows", "score_finite", "RewardStream", "JUDGE_LOG",
-           "JudgeRepliesEmpty", "empty_reply_counts", "judge_records", "log_judge_replies", "append_judge_log",
+           "JudgeNotReading", "JudgeReplyCounts", "judge_reply_counts", "judge_records", "log_judge_replies",
+           "append_judge_log",
            "global_advantages"]
 
 
@@ -163,20 +165,44 @@ class RewardStream:
 JUDGE_LOG = "judge_replies.jsonl"
 
 
-class JudgeRepliesEmpty(RuntimeError):
-    """More than --judge_max_empty_frac of a step's judge replies were empty; the message names the replies' log."""
+class JudgeNotReading(RuntimeError):
+    """More than --judge_max_unusable_frac of a step's judge replies were not readings (empty, over-long, refusals);
+    the message names the replies' log."""
 
 
-def empty_reply_counts(scored) -> tuple[int, int]:
-    """(empty replies, samples the OCR judge read) of one `RewardResult` (`rewards.OCR_EMPTY_REPLY`: 1 / 0 per
-    judged sample, NaN where no judge read it)."""
+@dataclass(frozen=True)
+class JudgeReplyCounts:
+    """How many of the samples an OCR judge read gave each kind of reply that is not a reading
+    (`rewards.judge_reply_kind`). `unusable` = empty + overlong + refusal."""
+
+    judged: int = 0
+    empty: int = 0
+    overlong: int = 0
+    refusal: int = 0
+
+    @property
+    def unusable(self) -> int:
+        return self.empty + self.overlong + self.refusal
+
+    def as_list(self) -> list[int]:
+        return [self.judged, self.empty, self.overlong, self.refusal]
+
+
+def judge_reply_counts(scored) -> JudgeReplyCounts:
+    """The `JudgeReplyCounts` of one `RewardResult`, from its per-sample 0/1 extras (NaN where no judge read the
+    sample; a RapidOCR result carries only the empty one)."""
     import rewards
 
-    flags = scored.extras.get(rewards.OCR_EMPTY_REPLY) if scored is not None else None
-    if flags is None:
-        return 0, 0
-    read = ~torch.isnan(flags)
-    return int(flags[read].sum().item()), int(read.sum().item())
+    extras = scored.extras if scored is not None else {}
+    if rewards.OCR_EMPTY_REPLY not in extras:
+        return JudgeReplyCounts()
+    read = ~torch.isnan(extras[rewards.OCR_EMPTY_REPLY])
+
+    def count(key: str) -> int:
+        return int(extras[key][read].sum().item()) if key in extras else 0
+
+    return JudgeReplyCounts(int(read.sum().item()), count(rewards.OCR_EMPTY_REPLY),
+                            count(rewards.OCR_OVERLONG_REPLY), count(rewards.OCR_REFUSAL_REPLY))
 
 
 def _sum_over_ranks(values: Sequence[float]) -> torch.Tensor:
@@ -206,12 +232,13 @@ def judge_records(rows: Sequence[Any], n: int, scored, *, phase: str, step: int,
     return records
 
 
-def log_judge_replies(output_dir: str, records: Sequence[dict[str, Any]]) -> None:
-    """Append every rank's `records` to <output_dir>/judge_replies.jsonl on rank 0 (one JSON object per line).
-    Collective."""
+def log_judge_replies(output_dir: str, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Append every rank's `records` to <output_dir>/judge_replies.jsonl on rank 0 (one JSON object per line) and
+    return them all (on every rank). Collective."""
     everyone = [r for part in all_gather_objects(list(records)) for r in part]
     if get_rank() == 0:
         append_judge_log(output_dir, everyone)
+    return everyone
 
 
 def append_judge_log(output_dir: str, records: Sequence[dict[str, Any]]) -> None:
