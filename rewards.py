@@ -8,7 +8,7 @@ One entry point for the trainers:
     result.extras             # {"reward/<name>": (B,) float32, ...}, NaN where a sample was not scored by <name>
     result.texts              # {"ocr/response": [str | None] * B}, the judge's verbatim replies
 
-Conventions (spec rewards_data_anchors.md §1-2):
+Conventions:
 - Images are uint8 `(3, H, W)` tensors in [0, 255] (verl-omni's convention since PR #373), as a list or one
   uint8 `(B, 3, H, W)` tensor. Anything else (float pixels in [0, 1], HWC, numpy) raises.
 - `data_source` names the REWARD that scores the row (`ocr`, `pickscore`, `jpeg_compressibility`,
@@ -139,7 +139,7 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 def ocr_score(transcription: str, target: str) -> float:
-    """verl-omni's GenRM OCR score (spec §1.1), in [0, 1].
+    """verl-omni's GenRM OCR score, in [0, 1].
 
     Both strings lose every whitespace character and are lowercased. A target contained in the transcription scores
     1; otherwise the Levenshtein distance, capped at len(target), gives 1 - d / len(target). An empty target scores 1

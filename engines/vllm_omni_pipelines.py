@@ -58,7 +58,7 @@ from vllm_omni.diffusion.models.qwen_image.rope_utils import txt_seq_lens_from_e
 
 
 def read_scheduler_config(model_path: str) -> dict[str, Any]:
-    """The RAW scheduler JSON (diffusers drops Boogu's time-shift keys on load, spec A.8)."""
+    """The RAW scheduler JSON (diffusers drops Boogu's time-shift keys on load)."""
     path = os.path.join(model_path, "scheduler", "scheduler_config.json")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
@@ -320,7 +320,7 @@ class RLBooguImagePipeline(BooguImagePipeline):
             pos = self._rl_prediction(x, sigma, embeds, mask, freqs_real, refs)
             if not guided:
                 return -pos.float()
-            # the edit negative is text-only but keeps the reference latents (spec A.7)
+            # the edit negative is text-only but keeps the reference latents
             neg = self._rl_prediction(x, sigma, neg_embeds, neg_mask, freqs_real, refs)
             return -self.combine_cfg_noise(pos, neg, scale).float()
 

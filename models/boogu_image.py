@@ -6,7 +6,6 @@ Boogu's standard CFG, the system-prompt rule (including the empty-instruction qu
 through the VLM and the VAE, the static v1 schedule read from the raw scheduler JSON. The transformer itself,
 `BooguImageTransformer2DModel`, is in `models/boogu_image_transformer.py` (one model per file, as in diffusers).
 
-Spec: shared/specs/models_and_rollout.md section A, algorithms.md section 1.4.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ VLM_MAX_SIDE = 384 * 2  # released `max_vlm_input_pil_side_length`
 VAE_REF_MAX_SIDE = 2048 * 2  # released `max_input_image_side_length`
 IMAGE_PLACEHOLDER = "<image>"
 
-# verl-omni's Boogu recipe: 18 names that bind in both the trainer tree and the vllm-omni port (spec A.10).
+# verl-omni's Boogu recipe: 18 names that bind in both the trainer tree and the vllm-omni port.
 BOOGU_LORA_TARGETS = (
     "to_q", "to_k", "to_v", "to_out.0",
     "img_to_q", "img_to_k", "img_to_v", "img_out",

@@ -10,7 +10,6 @@ unexpected key. `forward` takes the released class's inputs and returns the raw 
 
 May import torch and diffusers; never `models.boogu_image` (which imports it) or anything else of this repository.
 
-Spec: shared/specs/models_and_rollout.md section A.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LoRA for both families: target validation, PEFT injection, trainer <-> vllm-omni names, adapter export/import.
 
-Names (spec models_and_rollout.md A.10, B.6, C.5):
+Names:
 - Trainer names are the diffusers / upstream module paths inside the transformer, e.g.
   `transformer_blocks.0.attn.to_out.0` (Qwen-Image) or
   `double_stream_layers.0.img_instruct_attn.processor.img_to_q` (Boogu-Image).

@@ -1,6 +1,6 @@
 """Qwen-Image (diffusers QwenImagePipeline layout) behind the FlowModel interface.
 
-Conventions hidden here (spec models_and_rollout.md B, algorithms.md 1):
+Conventions hidden here:
 - prompts go through the Qwen-Image chat template; the encoder's last hidden states lose the 34-token system prefix
   (drop_idx), are cut to `max_sequence_length` and right-padded with a fresh 0/1 mask;
 - latents are packed 2x2: (B, 16, H/8, W/8) -> (B, (H/16)(W/16), 64), channel index c*4 + 2*py + px (channel
@@ -109,7 +109,7 @@ def qwen_image_forward_flops(config: Any, image_tokens: int, text_tokens: Sequen
     """Forward FLOPs of `QwenImageTransformer2DModel` (diffusers 0.40) for len(text_tokens) samples of
     `image_tokens` image and text_tokens[b] text tokens; config: the transformer's config (attribute access).
 
-    verl-omni's formula (spec rewards_data_anchors.md §4.3) divided by 3 (it counts forward + backward), with
+    verl-omni's formula divided by 3 (it counts forward + backward), with
     dim = heads·head_dim, L layers, per sample b with n_i image and n_t text tokens:
       2·(L·12·dim² + in_channels·dim + p²·out_channels·dim)·n_i     image stream (QKV+out 4, MLP 8; in/out proj)
     + 2·(L·12·dim² + joint_attention_dim·dim)·n_t                   text stream (+ txt_in)
@@ -133,7 +133,7 @@ def qwen_image_forward_flops(config: Any, image_tokens: int, text_tokens: Sequen
 
 class QwenImageModel(FlowModel):
     family = "qwen_image"
-    # verl-omni's Qwen-Image OCR recipe (spec algorithms.md 8.2); all bind inside `transformer_blocks`.
+    # verl-omni's Qwen-Image OCR recipe; all bind inside `transformer_blocks`.
     default_lora_targets = (
         "to_q", "to_k", "to_v", "to_out.0",
         "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -231,7 +231,7 @@ class QwenImageModel(FlowModel):
         if unsupported or cfg.get("num_train_timesteps", 1000) != 1000:
             raise ValueError(
                 f"unsupported Qwen-Image scheduler settings {unsupported or ['num_train_timesteps']} in {cfg!r}; "
-                "the wrapper reproduces the released config only (see spec models_and_rollout.md B.1)"
+                "the wrapper reproduces the released config only"
             )
 
     def image_seq_len(self, height: int, width: int) -> int:

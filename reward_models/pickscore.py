@@ -65,7 +65,7 @@ def open_clip_config_from_hf(hf_config: dict) -> dict:
 
 
 def convert_hf_clip_state_dict(hf_sd: dict[str, torch.Tensor], model_cfg: dict) -> dict[str, torch.Tensor]:
-    """Map a transformers CLIPModel state dict onto open_clip CLIP names (spec §2.2). Every HF tensor must be used
+    """Map a transformers CLIPModel state dict onto open_clip CLIP names. Every HF tensor must be used
     (position_ids buffers excepted): a leftover or missing key is an error."""
     sd = {k: v for k, v in hf_sd.items() if not k.endswith("position_ids")}
     out: dict[str, torch.Tensor] = {}

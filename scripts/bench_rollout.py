@@ -87,7 +87,7 @@ def qwen_transformer_config(args) -> dict[str, Any]:
         return dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
                     num_attention_heads=2, joint_attention_dim=build_tiny_models.TINY_TEXT_HIDDEN,
                     guidance_embeds=False, axes_dims_rope=(4, 6, 6))
-    # released widths (spec models_and_rollout.md B.1), fewer layers; the text width is the tiny encoder's
+    # released widths, fewer layers; the text width is the tiny encoder's
     return dict(patch_size=2, in_channels=64, out_channels=16, num_layers=args.qwen_layers, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=build_tiny_models.TINY_TEXT_HIDDEN,
                 guidance_embeds=False, axes_dims_rope=(16, 56, 56))
@@ -97,7 +97,7 @@ def boogu_transformer_config(args) -> dict[str, Any]:
     config = dict(build_tiny_models.TINY_BOOGU_TRANSFORMER)
     if args.quick:
         return config
-    # released widths (spec models_and_rollout.md A.2), fewer layers; instruction_feat_dim = the tiny encoder's
+    # released widths, fewer layers; instruction_feat_dim = the tiny encoder's
     config.update(hidden_size=3360, num_attention_heads=28, num_kv_heads=7, multiple_of=256,
                   axes_dim_rope=(40, 40, 40), num_layers=args.boogu_double_layers + args.boogu_single_layers,
                   num_double_stream_layers=args.boogu_double_layers, num_refiner_layers=args.boogu_refiner_layers)

@@ -200,7 +200,7 @@ def seeded(seed: int) -> None:
 # Qwen-Image (diffusers QwenImagePipeline layout)
 # ---------------------------------------------------------------------------------------------------------------
 
-# The real Qwen-Image scheduler config (spec models_and_rollout.md B.1 / algorithms.md 1.2).
+# The real Qwen-Image scheduler config.
 QWEN_IMAGE_SCHEDULER_CONFIG = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
     "_diffusers_version": "0.34.0.dev0",
@@ -276,7 +276,7 @@ def tiny_qwen25_vl(seed: int):
 
 
 def build_qwen_image(out_dir: str) -> None:
-    """Tiny diffusers QwenImagePipeline (spec B.1/B.7 shapes, real scheduler config and tokenizer)."""
+    """Tiny diffusers QwenImagePipeline (the released layout, the real scheduler config and tokenizer)."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
     seeded(0)
@@ -422,7 +422,7 @@ def build_qwen3_vl_genrm(out_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-# The released Boogu scheduler config as the checkpoints ship it (spec A.8: static v1, seq_len 4096 -> mu 1.15).
+# The released Boogu scheduler config as the checkpoints ship it (static v1, seq_len 4096 -> mu 1.15).
 # Written byte-for-byte: the wrapper reads this file as raw JSON (diffusers would drop the custom keys).
 BOOGU_SCHEDULER_CONFIG_JSON = """{
   "_class_name": "FlowMatchEulerDiscreteScheduler",
@@ -438,7 +438,7 @@ BOOGU_SCHEDULER_CONFIG_JSON = """{
 }
 """
 
-# spec A.1 (Base and Edit share the _class_name).
+# Base and Edit share the _class_name.
 BOOGU_MODEL_INDEX = {
     "_class_name": "BooguImagePipeline",
     "_diffusers_version": "0.35.2",
@@ -476,7 +476,7 @@ TINY_BOOGU_TRANSFORMER = dict(
 def build_boogu_image(out_dir: str, *, edit: bool) -> None:
     """Tiny Boogu-Image pipeline (transformer/ mllm/ processor/ scheduler/ vae/ model_index.json).
 
-    Base and Edit have the same architecture and layout (spec A.2); they differ only in their seeds here.
+    Base and Edit have the same architecture and layout; they differ only in their seeds here.
     The transformer is our `models.boogu_image.BooguImageTransformer2DModel`, whose config keys and parameter
     names are the released ones; the VAE is a tiny FLUX-style AutoencoderKL (x8, 16 latent channels, the released
     scaling 0.3611 / shift 0.1159)."""

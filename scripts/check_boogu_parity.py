@@ -173,7 +173,7 @@ def main() -> int:
     from boogu.models.transformers.rope import BooguImageRotaryPosEmbed
     from boogu.models.transformers.transformer_boogu import BooguImageTransformer2DModel as UpstreamModel
 
-    # The released configuration (spec A.2), built on the meta device: identical key sets and shapes.
+    # The released configuration, built on the meta device: identical key sets and shapes.
     released = dict(TINY_CONFIGS["gqa_1x1x1"], in_channels=16, hidden_size=3360, num_layers=40,
                     num_double_stream_layers=8, num_refiner_layers=2, num_attention_heads=28, num_kv_heads=7,
                     multiple_of=256, axes_dim_rope=(40, 40, 40), axes_lens=(2048, 1664, 1664),

@@ -42,6 +42,38 @@ flowrl_global_batch() {
   echo "$global"
 }
 
+# flowrl_require_files NAME=PATH ...: stop with one line naming the variable when a data file is missing (checked
+# before any judge starts: starting one takes minutes)
+flowrl_require_files() {
+  local pair name path
+  for pair in "$@"; do
+    name=${pair%%=*}
+    path=${pair#*=}
+    if [ ! -f "$path" ]; then
+      echo "recipe: $name=$path does not exist: write the data first (the data_prep/ command in this recipe's header) or set $name to your file" >&2
+      return 2
+    fi
+  done
+}
+
+# flowrl_resolve_model NAME PATH: the local folder of PATH (a folder as is; a Hub id fetched, or found in the Hub
+# cache with HF_HUB_OFFLINE=1); one line naming NAME and the fix when it cannot be had
+flowrl_resolve_model() {
+  python3 - "$1" "$2" <<'PY'
+import sys
+
+from models import resolve_model_path
+
+name, path = sys.argv[1], sys.argv[2]
+try:
+    print(resolve_model_path(path))
+except (FileNotFoundError, ValueError) as e:
+    reason = str(e).split(" (")[0] if "Hugging Face Hub" in str(e) else str(e)
+    sys.exit(f"recipe: {name}={path}: {reason}; download it (huggingface-cli download {path}) on a machine that "
+             f"is online and set {name} to the local folder")
+PY
+}
+
 # flowrl_start_judges MODEL LOG_PREFIX: start the judge replicas on this node (unless GENRM_URLS is set) and set
 # GENRM_URL (comma-separated URLs for --genrm_url) and GENRM_PIDS (stopped by flowrl_stop_judges).
 flowrl_start_judges() {
@@ -50,6 +82,10 @@ flowrl_start_judges() {
   if [ -n "${GENRM_URLS:-}" ]; then
     GENRM_URL=$GENRM_URLS
     return 0
+  fi
+  if ! command -v "${VLLM_BIN:-vllm}" >/dev/null 2>&1; then
+    echo "recipe: '${VLLM_BIN:-vllm}' is not installed to serve the OCR judge on this node: pip install vllm, or point the recipe at judge servers that run elsewhere with GENRM_URLS=http://HOST:PORT[,http://HOST2:PORT]" >&2
+    return 2
   fi
   IFS=, read -r -a gpus <<< "${GENRM_GPUS:-3}"
   tp=${GENRM_TP:-1}

@@ -35,10 +35,10 @@ TRAIN_BATCH=$(flowrl_global_batch TRAIN_BATCH "$PROMPTS_PER_GPU" "${TRAIN_BATCH:
 MINI_BATCH=$(flowrl_global_batch MINI_BATCH "$MINI_PROMPTS_PER_GPU" "${MINI_BATCH:-}")
 MICRO_BATCH=${MICRO_BATCH:-8}
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/boogu_image_edit_nft_lora}
-resolve() { python3 -c "import sys; from models import resolve_model_path; print(resolve_model_path(sys.argv[1]))" "$1"; }
+flowrl_require_files TRAIN_FILES="$TRAIN_FILES" VAL_FILES="$VAL_FILES"
 # resolved before torchrun, so that a failed download stops the script (set -e does not see a $(...) inside arguments)
-PICKSCORE=$(resolve "$REWARD_MODEL_PATH")
-PICKSCORE_PROCESSOR=$(resolve "$PICKSCORE_PROCESSOR_PATH")
+PICKSCORE=$(flowrl_resolve_model REWARD_MODEL_PATH "$REWARD_MODEL_PATH")
+PICKSCORE_PROCESSOR=$(flowrl_resolve_model PICKSCORE_PROCESSOR_PATH "$PICKSCORE_PROCESSOR_PATH")
 
 bash scripts/launch.sh train_nft.py \
   --model_path "$MODEL_PATH" --train_files "$TRAIN_FILES" --val_files "$VAL_FILES" \

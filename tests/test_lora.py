@@ -132,7 +132,7 @@ def test_boogu_recipe_targets_bind_44_paths(boogu_dir):
     assert (m.config.num_layers, m.config.num_double_stream_layers, m.config.num_refiner_layers) == (2, 1, 1)
     bound = validate_lora_targets(m, BOOGU_TARGETS, BOOGU_BLOCKS)
     assert len(BOOGU_TARGETS) == 18
-    assert len(bound) == 44  # spec A.10: the full rule binds all 44 module paths of a 1/1/1 tiny model
+    assert len(bound) == 44  # the full rule binds all 44 module paths of a 1/1/1 tiny model
     # PEFT's "." boundary: feed_forward.linear_1 does not catch img_feed_forward.linear_1, nor the embedder MLP
     assert "double_stream_layers.0.instruct_feed_forward.linear_1" not in bound
     assert not any(b.startswith("time_caption_embed") for b in bound)

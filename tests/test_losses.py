@@ -154,7 +154,7 @@ def test_sde_step_matches_the_formula_in_float64(sde_type):
 
 
 def test_sde_noise_scales_match_the_spec_table():
-    """Qwen 512², N=10, eta=1.2: std_dev_t, transition std and cps std per step (spec §1.2)."""
+    """Qwen 512², N=10, eta=1.2: std_dev_t, transition std and cps std per step."""
     sigmas = losses.flow_sigmas(10, mu=qwen_mu(1024), shift_terminal=0.02)
     std_dev = [4.50256, 4.33970, 2.87332, 2.17492, 1.72263, 1.38194, 1.09755, 0.83723, 0.56850, 0.17143]
     transition = [1.20000, 1.20800, 0.83702, 0.66448, 0.55329, 0.46786, 0.39282, 0.31781, 0.22973, 0.02424]

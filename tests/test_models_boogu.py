@@ -67,7 +67,7 @@ def random_image(seed: int, height: int = 72, width: int = 104) -> PIL.Image.Ima
 
 def native_boogu_timesteps(num_steps: int, seq_len: int = 4096, base_shift: float = 0.5,
                            max_shift: float = 1.15) -> np.ndarray:
-    """Boogu's own scheduler, written independently from its description (spec A.8): t = linspace(0, 1, N+1)[:-1]
+    """Boogu's own scheduler, written independently from its description: t = linspace(0, 1, N+1)[:-1]
     in float32, logistic v1 shift t' = 1 - e^mu / (e^mu + (1/(1-t) - 1)) with mu linear in seq_len
     (256 -> base_shift, 4096 -> max_shift), then t = 1 appended. Boogu time: 0 = noise."""
     t = np.linspace(0, 1, num_steps + 1, dtype=np.float32)[:-1]
@@ -87,7 +87,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def expected_state_dict_keys(n_double: int, n_single: int, n_refiner: int) -> set[str]:
-    """The released checkpoint's key names (spec A.3 module inventory + norms), generated per block."""
+    """The released checkpoint's key names, generated per block."""
     attn = ["to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight", "norm_q.weight", "norm_k.weight"]
     ffn = ["linear_1.weight", "linear_2.weight", "linear_3.weight"]
     ada = ["linear.weight", "linear.bias", "norm.weight"]
@@ -157,7 +157,7 @@ RELEASED_CFG = dict(patch_size=2, in_channels=16, out_channels=None, hidden_size
 
 
 def test_released_config_shapes_and_size():
-    """The released config (spec A.2) on the meta device: 10.293B parameters with biases, GQA k/v width 840,
+    """The released config on the meta device: 10.293B parameters with biases, GQA k/v width 840,
     SwiGLU inner 13568, temb 1024, caption 4096 -> 3360, and the full key set."""
     with torch.device("meta"):
         model = BooguImageTransformer2DModel(**RELEASED_CFG)

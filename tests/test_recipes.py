@@ -32,10 +32,15 @@ RECORDER = textwrap.dedent("""\
 
 @pytest.fixture
 def recorder(tmp_path):
+    """The recording interpreter, and data files and an output folder in tmp_path for the recipes (which check that
+    their data exists before anything starts, and would otherwise write under the checkout's outputs/)."""
     path = tmp_path / "python"
     path.write_text(RECORDER.format(python=sys.executable))
     path.chmod(0o755)
-    return dict(PYTHON=str(path), RECORD=str(tmp_path / "record.jsonl"))
+    data = tmp_path / "data.parquet"
+    data.write_bytes(b"")
+    return dict(PYTHON=str(path), RECORD=str(tmp_path / "record.jsonl"), TRAIN_FILES=str(data), VAL_FILES=str(data),
+                OUTPUT_DIR=str(tmp_path / "outputs"))
 
 
 def calls(env) -> list[dict]:
@@ -109,6 +114,28 @@ def test_an_undividable_global_batch_stops_the_recipe_with_a_value_that_works(re
     assert proc.stderr.strip().splitlines()[-1] == (
         "recipe: TRAIN_BATCH=25 is not divisible by the 6 trainer GPUs (NPROC_PER_NODE=3 x NNODES=2): use "
         "TRAIN_BATCH=24 or TRAIN_BATCH=30")
+
+
+def test_the_recipes_check_their_data_models_and_judge_before_anything_starts(recorder, tmp_path):
+    """Each check ends the recipe in one line naming the variable and the fix, before a judge or a trainer starts:
+    a missing data file; a reward model that is neither a folder nor in the Hub cache offline (before: a 96-line
+    traceback); no vLLM to serve the judge (before: a hint at --ocr_backend, which the recipe does not take)."""
+    missing = str(tmp_path / "nope.parquet")
+    proc = run("scripts/run_qwen_image_ocr_lora.sh", dict(recorder, TRAIN_FILES=missing, GENRM_URLS="http://j:8000"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"recipe: TRAIN_FILES={missing} does not exist: write the data first (the data_prep/ command in this "
+        f"recipe's header) or set TRAIN_FILES to your file"]
+    offline = run("scripts/run_boogu_image_edit_lora.sh", dict(recorder, HF_HUB_OFFLINE="1",
+                                                               HF_HOME=str(tmp_path / "hf"),
+                                                               REWARD_MODEL_PATH="someone/NotCached"))
+    assert offline.returncode != 0 and offline.stderr.strip().splitlines() == [
+        "recipe: REWARD_MODEL_PATH=someone/NotCached: could not get 'someone/NotCached' from the Hugging Face Hub; "
+        "download it (huggingface-cli download someone/NotCached) on a machine that is online and set "
+        "REWARD_MODEL_PATH to the local folder"]
+    no_vllm = run("scripts/run_qwen_image_ocr_lora.sh", dict(recorder, VLLM_BIN=str(tmp_path / "no-vllm")))
+    assert no_vllm.returncode == 2 and "pip install vllm, or point the recipe at judge servers that run elsewhere " \
+        "with GENRM_URLS=" in no_vllm.stderr and len(no_vllm.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(recorder["RECORD"])  # no trainer was started
 
 
 def test_the_old_nproc_variable_is_refused_not_ignored(recorder):
