@@ -106,10 +106,12 @@ CONFIGS = ("baseline", "optimized", "optimized_bypass", "optimized_train_cfg", "
 ONLY_FOR = {"optimized_train_cfg": "train_nft.py", "optimized_bypass": "train_dppo.py"}  # trainer-specific configs
 # what a baseline of an earlier invocation must share with this one (`baseline_problems`)
 MACHINE_KEYS = ("gpu_names", "gpus", "torch", "cuda", "python")
-MEASUREMENT_ARGS = ("smoke", "per_gpu_images", "judge_gpus", "warmup_steps", "qwen_layers",
+MEASUREMENT_ARGS = ("smoke", "per_gpu_images", "judge_gpus", "warmup_steps", "train_rows", "qwen_layers",
                     "boogu_double_layers", "boogu_single_layers", "boogu_refiner_layers", "baseline_flags")
 BLOCKS = {"qwen_image": lambda a: a.qwen_layers,
           "boogu_image": lambda a: a.boogu_double_layers + a.boogu_single_layers + 3 * a.boogu_refiner_layers}
+# MEASUREMENT_ARGS added after JSONs were written: their value in those JSONs
+LATER_ARG_DEFAULTS = {"train_rows": 0}
 # metrics copied per step into the JSON (numerics of the runs, next to their timings)
 METRIC_PREFIXES = ("timing_s/", "perf/", "actor/", "rollout_corr/", "critic/rewards/mean")
 
@@ -223,15 +225,23 @@ def tiny_checkpoint(family: str) -> str:
     return os.path.join(root, name)
 
 
-def demo_data(family: str, workdir: str) -> str:
+def demo_data(family: str, workdir: str, train_rows: int = 0) -> str:
+    """The demo prompts' train split for `family` (written once per workdir); with `train_rows` > 0 a copy of its
+    first `train_rows` rows (`--train_rows`)."""
     from pathlib import Path
+
+    import pandas as pd
 
     from data_prep.make_demo_data import make_demo_data
 
     out = Path(workdir) / f"data_{family}"
     if not (out / "train.parquet").is_file():
         make_demo_data(out, model=family)
-    return str(out / "train.parquet")
+    if not train_rows:
+        return str(out / "train.parquet")
+    subset = out / f"train_{train_rows}_rows.parquet"
+    pd.read_parquet(out / "train.parquet").head(train_rows).to_parquet(subset)
+    return str(subset)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -528,8 +538,8 @@ def baseline_problems(earlier: dict[str, Any], machine: dict[str, Any], args: di
     out = [f"machine {key}: baseline {earlier['machine'].get(key)!r}, now {machine.get(key)!r}"
            for key in MACHINE_KEYS if earlier["machine"].get(key) != machine.get(key)]
     keys = [k for k in MEASUREMENT_ARGS if k != "baseline_flags" or config == "baseline"]
-    out += [f"--{key}: baseline {earlier['args'].get(key)!r}, now {args.get(key)!r}"
-            for key in keys if earlier["args"].get(key) != args.get(key)]
+    before = {k: earlier["args"].get(k, LATER_ARG_DEFAULTS.get(k)) for k in keys}  # JSONs from before a flag existed
+    out += [f"--{key}: baseline {before[key]!r}, now {args.get(key)!r}" for key in keys if before[key] != args.get(key)]
     return out
 
 
@@ -600,6 +610,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 3 on GPU, 2 in --smoke)")
     p.add_argument("--warmup_steps", type=int, default=1, help="first steps excluded from the means")
     p.add_argument("--per_gpu_images", type=int, default=0, help="images per trainer GPU per step (0 = the recipe's)")
+    p.add_argument("--train_rows", type=int, default=0,
+                   help="train on only the first N prompts (0 = all 56): with N = the prompts per step, every step "
+                        "has the sequence lengths of step 1, so no timed step pays cuDNN's attention plan build for "
+                        "a new length (the steady state of a long run, whose prompt lengths have all been seen)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p.add_argument("--judge_gpus", type=int, default=0,
                    help="GPUs a real judge would occupy, added to the images/GPU/s denominator (JPEG reward here)")
@@ -706,7 +720,7 @@ def main(argv=None) -> int:
             else:
                 model_path, build_s = build_in_subprocess(family, workdir, args)
                 print(f"  built {family} ({BLOCKS[family](args)} blocks) in {build_s:.0f}s")
-            train_files = demo_data(family, workdir)
+            train_files = demo_data(family, workdir, args.train_rows)
             for recipe in [r for r in args.recipe if FAMILY_OF[r] == family]:
                 entry = result["recipes"].setdefault(recipe, {"family": family, "build_s": build_s, "runs": {}})
                 if recipe in baselines:

@@ -210,6 +210,11 @@ def test_baseline_round_trip_and_refusals(tmp_path):
                         "--qwen_layers: baseline 60, now 40"]
     assert bench_step.baseline_problems(loaded, earlier["machine"], dict(now, baseline_flags="--x"),
                                         "optimized") == []  # the baseline flags matter only for `baseline` runs
+    # a JSON written before --train_rows existed measured all the prompts: comparable with 0, not with 1
+    del loaded["args"]["train_rows"]
+    assert bench_step.baseline_problems(loaded, earlier["machine"], now) == []
+    assert bench_step.baseline_problems(loaded, earlier["machine"], dict(now, train_rows=1)) == [
+        "--train_rows: baseline 0, now 1"]
     with pytest.raises(bench_step.BaselineError, match="has no measured optimized run"):
         bench_step.load_baseline(path, ["qwen_dppo"], "optimized")
     assert bench_step.baseline_line({"baseline_source": {"path": None}}).startswith("baseline: none")
@@ -230,6 +235,20 @@ def test_baseline_round_trip_and_refusals(tmp_path):
         f.write("[1, 2")
     with pytest.raises(bench_step.BaselineError, match="cannot be read as JSON"):
         bench_step.load_baseline(path, ["qwen_dppo"])
+
+
+def test_train_rows_keeps_the_first_prompts(tmp_path):
+    """--train_rows N trains on the first N demo prompts (every step then has step 1's sequence lengths)."""
+    import pandas as pd
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import bench_step
+
+    full = pd.read_parquet(bench_step.demo_data("qwen_image", str(tmp_path)))
+    two = pd.read_parquet(bench_step.demo_data("qwen_image", str(tmp_path), train_rows=2))
+    assert len(full) > 2 and len(two) == 2
+    assert [row["prompt"][-1]["content"] for row in two.to_dict("records")] == [
+        row["prompt"][-1]["content"] for row in full.head(2).to_dict("records")]
 
 
 @pytest.mark.parametrize("gpus", [1, 4])
