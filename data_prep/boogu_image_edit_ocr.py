@@ -34,7 +34,7 @@ from PIL import Image, ImageOps
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.common import EDIT_SCHEMA, chat, first_quoted_span, write_parquet
+from data_prep.common import EDIT_SCHEMA, chat, first_quoted_span, run_cli, write_parquet
 from data_prep.prompts import BOOGU_TI2I_SYSTEM_PROMPT
 
 REWARD_ARMS = ("pickscore", "ocr")
@@ -135,4 +135,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -26,6 +26,19 @@ EDIT_SCHEMA = pa.schema([
 ])
 
 
+def run_cli(main, argv: list[str] | None = None) -> None:
+    """Run a converter's `main(argv)`; a bad input (a missing folder or file, an empty or malformed dataset) ends it
+    with one line, `<script>: error: <reason>`, and exit status 2 instead of a traceback."""
+    try:
+        main(argv)
+    except (FileNotFoundError, NotADirectoryError, PermissionError, ValueError, KeyError) as e:
+        reason = e.args[0] if isinstance(e, KeyError) and e.args else e
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in str(reason):
+            reason = f"{e.filename}: {e.strerror}"
+        print(f"{Path(sys.argv[0]).name}: error: {reason}", file=sys.stderr)
+        sys.exit(2)
+
+
 def first_quoted_span(text: str) -> str | None:
     """The first double-quoted span of `text` (flow_grpo / verl-omni: `text.split('"')[1]`), or None when the text
     has no complete pair of ASCII double quotes or the span is empty or blank."""

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_prep import boogu_image_edit_ocr, boogu_image_ocr, make_text_edit_data, qwen_image_ocr  # noqa: E402
-from data_prep.common import EDIT_SCHEMA, convert_ocr_dir, read_prompt_lines, write_parquet  # noqa: E402
+from data_prep.common import EDIT_SCHEMA, convert_ocr_dir, read_prompt_lines, run_cli, write_parquet  # noqa: E402
 from data_prep.set_data_source import DATA_SOURCES, relabel_file  # noqa: E402
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo_prompts.txt"
@@ -69,4 +69,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -15,11 +15,17 @@ Deterministic for a given --seed.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import random
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_prep.common import run_cli  # noqa: E402
 
 WORDS = (
     "OPEN", "CLOSED", "SALE", "CAFE", "BAKERY", "HELLO", "WELCOME", "EXIT", "STOP", "HOTEL", "BOOKS", "PIZZA",
@@ -92,4 +98,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

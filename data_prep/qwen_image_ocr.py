@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.common import chat, convert_ocr_dir
+from data_prep.common import chat, convert_ocr_dir, run_cli
 from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
 
 
@@ -46,4 +46,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

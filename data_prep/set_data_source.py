@@ -20,6 +20,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_prep.common import run_cli  # noqa: E402
+
 DATA_SOURCES = ("ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")  # = rewards.REWARD_NAMES
 SPLITS = ("train", "test")
 INSTRUCTION_PREFIX = "change the text to"
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     for d in args.dataset_dir:
         d = d.expanduser()
+        if not any((d / f"{split}.parquet").is_file() for split in SPLITS):
+            raise FileNotFoundError(f"--dataset-dir {d} holds no {' or '.join(s + '.parquet' for s in SPLITS)}")
         for split in SPLITS:
             path = d / f"{split}.parquet"
             if not path.is_file():
@@ -91,4 +98,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

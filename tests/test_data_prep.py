@@ -288,3 +288,29 @@ def test_set_data_source_accepts_exactly_the_reward_names():
     from data_prep import set_data_source
 
     assert set(set_data_source.DATA_SOURCES) == set(rewards.REWARD_NAMES)
+
+
+@pytest.mark.parametrize("script, args, reason", [
+    ("qwen_image_ocr.py", ["--input_dir", "{tmp}/missing", "--output_dir", "{tmp}/out"],
+     "no train.txt/test.txt in {tmp}/missing"),
+    ("boogu_image_ocr.py", ["--input_dir", "{tmp}/empty", "--output_dir", "{tmp}/out"],
+     "refusing to write an empty dataset to {tmp}/out/train.parquet"),
+    ("boogu_image_edit_ocr.py", ["--input_dir", "{tmp}/missing", "--output_dir", "{tmp}/out"],
+     "no train.jsonl/test.jsonl in {tmp}/missing"),
+    ("set_data_source.py", ["--dataset-dir", "{tmp}/missing", "--data-source", "ocr"],
+     "--dataset-dir {tmp}/missing holds no train.parquet or test.parquet"),
+])
+def test_a_converter_given_bad_input_says_why_in_one_line(tmp_path, script, args, reason):
+    """Run as a user runs them: a missing or empty input ends in `<script>: error: <reason>` and exit status 2, not a
+    traceback (set_data_source.py used to skip a folder it could not find and exit 0)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "train.txt").write_text("\n")
+    (tmp_path / "empty" / "test.txt").write_text("\n")
+    argv = [a.format(tmp=tmp_path) for a in args]
+    proc = subprocess.run([sys.executable, str(REPO / "data_prep" / script), *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"{script}: error: {reason.format(tmp=tmp_path)}"
