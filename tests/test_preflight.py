@@ -77,6 +77,8 @@ def test_bad_flags_and_sizes_are_refused(flags):
     refused(cli(**flags, rollout_n=0), r"--rollout_n 0: must be >= 1")
     refused(cli(**flags, genrm_timeout_s=float("nan")), r"--genrm_timeout_s nan: must be a finite number > 0")
     refused(cli(**flags, val_max_samples=1), r"validation uses 1 prompt.* needs one per trainer rank \(2\)", world=2)
+    for name in ("judge_max_unusable_frac", "judge_max_empty_frac"):  # the former name sets the same threshold
+        refused(cli(**flags, **{name: 1.5}), r"--judge_max_unusable_frac 1.5: must be in \[0, 1\]")
     refused(cli(**flags, rollout_timeout_s=1000, rollout_startup_timeout_s=10, collective_timeout_s=900),
             r"--collective_timeout_s 900 is not above --rollout_timeout_s \(1000 s\)")
     # one GPU rank without FSDP2 computes with the stored base weights: an fp32 copy cannot be reproduced there

@@ -67,9 +67,9 @@ def check_flags(args, world: int) -> None:
     retry_total = getattr(args, "genrm_retry_total_s", 0.0)
     if not (math.isfinite(retry_total) and retry_total >= 0):
         raise PreflightError(f"--genrm_retry_total_s {retry_total}: must be a finite number >= 0")
-    empty = getattr(args, "judge_max_empty_frac", 1.0)
-    if not (0.0 <= empty <= 1.0):
-        raise PreflightError(f"--judge_max_empty_frac {empty}: must be in [0, 1] (1 = never stop)")
+    unusable = getattr(args, "judge_max_unusable_frac", 1.0)
+    if not (0.0 <= unusable <= 1.0):
+        raise PreflightError(f"--judge_max_unusable_frac {unusable}: must be in [0, 1] (1 = never stop)")
     check_reward_signs(args)
     check_rollout_devices(args)
     device = torch.device(resolve_device(args.device))
