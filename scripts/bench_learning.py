@@ -1,95 +1,129 @@
-"""Learning benchmark: DiffusionNFT, Flow-DPPO, Flow-GRPO and an lr = 0 control, run one after another from one
-model folder with the same GPU-time budget each, scored by the `rapidocr` OCR reward; held-out reward and
-exact-match accuracy against GPU-seconds.
+r"""Learning benchmark: DiffusionNFT, Flow-DPPO and Flow-GRPO, each at its recipe's samples per optimizer step, over
+several seeds, against one lr = 0 control, from one model folder, scored by the `rapidocr` OCR reward on every
+held-out prompt; held-out reward, its standard error and exact-match accuracy against GPU-seconds, with error bars.
 
     python3 scripts/bench_learning.py --model_path MODEL --train_files train.parquet --val_files test.parquet \
-        --budget_s 90 --out_dir OUT --work_dir /tmp/bench_learning           # one GPU
-    python3 scripts/bench_learning.py --smoke --out_dir /tmp/bench_smoke     # CPU: tiny Qwen-Image, 64², 2 steps
+        --out_dir OUT --work_dir outputs/bench_learning_runs --concurrent 4 --resume   # one GPU
+    python3 scripts/bench_learning.py --smoke --out_dir /tmp/bench_smoke            # CPU: tiny Qwen-Image, 64², 2 steps
 
-Runs (each `torchrun --nproc_per_node 1`, the trainer rank and its rollout worker sharing one device, e.g. cuda:0):
-  nft      train_nft.py                        verl-omni's Qwen-Image DiffusionNFT OCR recipe, scaled (see --help)
-  dppo     train_dppo.py                       scripts/run_qwen_image_ocr_lora.sh (Flow-DPPO), scaled
-  grpo     train_dppo.py --loss flow_grpo      the same recipe with the Flow-GRPO loss (--clip_ratio 1e-5)
-  control  train_dppo.py --lr 0                the Flow-DPPO run without updates (see CONTROL_WHY)
+Runs (each `torchrun --nproc_per_node 1` in its own process group, the trainer rank and its rollout worker sharing
+one device, e.g. cuda:0):
+  control  train_dppo.py --lr 0                the Flow-DPPO run without updates, once (see CONTROL_WHY)
+  nft      train_nft.py                        verl-omni's Qwen-Image DiffusionNFT OCR recipe, --seeds times
+  dppo     train_dppo.py                       scripts/run_qwen_image_ocr_lora.sh (Flow-DPPO), --seeds times
+  grpo     train_dppo.py --loss flow_grpo      verl-omni's Flow-GRPO settings (clip 1e-5, noise 1.2), --seeds times
+  grpo_fg  train_dppo.py --loss flow_grpo      flow_grpo's own settings (clip 1e-4, noise 0.7); not run by default
 
-Budget: `--budget_s S` passes the trainers' `--max_wall_time_s S` (stop at the first step boundary after S s,
-checkpoint, exit 0); `--steps N` runs N steps instead (the smoke path, and the fallback before that flag exists).
+Budget: `--budget_s S` is S GPU-seconds of training per run. Short solo calibration runs (`--calibration_steps`)
+measure each algorithm's seconds per step first; each algorithm then runs the number of steps that fills S (so every
+run gets the same GPU time, and all seeds of an algorithm the same steps). `--steps N` runs N steps instead.
+`--concurrent N` runs N trainers at a time on the GPU; their GPU-seconds are then the solo calibration's (GPU_SECONDS).
 
-Held-out evaluation is the trainers' own validation (`--val_files`, `--val_before_train`, `--test_freq`,
-`--val_num_inference_steps`, `--val_seed`: ODE, one sample per prompt, fixed seeds): `val-core/ocr/reward/mean@1`
-and the exact-match extra `val-aux/ocr/ocr/exact_match/mean@1`, read back from TensorBoard. GPU-seconds: see
-GPU_SECONDS. Outputs in --out_dir: bench_learning.json, bench_learning.png (both curves against GPU-seconds),
-bench_learning_grids.png (each run's validation grid at step 0 and at its last step) and bench_learning.log (every
-trainer's output), and a final table on stdout naming the algorithm that learned fastest per GPU-second.
-
-From Python (e.g. a CPU learning test): `main(argv)` returns the JSON document (`doc["runs"][name]["gain_vs_control"]`
-...); `read_run(run_dir)` and `summarize_runs(records)` work on any trainer output dir with validation.
+Outputs in --out_dir, rewritten after every run: bench_learning.json (every setting, command, curve and summary),
+bench_learning.png (one band, mean +- std over seeds, per algorithm against GPU-seconds), bench_learning.md (the
+table), bench_learning_grids.png (validation grids before / after, seed 0) and bench_learning.log (every trainer's
+output). An interrupted bench (SIGINT / SIGTERM) stops every trainer it started; `--resume` reuses finished runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import ctypes
 import datetime
-import importlib
 import io
 import json
 import math
 import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for path in (REPO, os.path.join(REPO, "scripts")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from trainer_runs import images, run_trainer, scalars  # noqa: E402
+from trainer_runs import free_port, images, scalars  # noqa: E402
 
 REWARD_KEY = "val-core/ocr/reward/mean@1"
 EXACT_KEY = "val-aux/ocr/ocr/exact_match/mean@1"   # rewards.py's `ocr/exact_match` extra, as validation logs it
 TRAIN_REWARD_KEY = "critic/rewards/mean"
 STEP_TIME_KEY = "perf/time_per_step"
 GRID_TAG = "val/samples"
-FILES = {"json": "bench_learning.json", "plot": "bench_learning.png", "grids": "bench_learning_grids.png",
-         "log": "bench_learning.log"}
+JUDGE_LOG = "judge_replies.jsonl"                   # training.scoring.JUDGE_LOG: every validated reply, per sample
+GAINS = (0.05, 0.1)                                 # the held-out gains whose GPU-seconds the table reports
+FILES = {"json": "bench_learning.json", "plot": "bench_learning.png", "markdown": "bench_learning.md",
+         "grids": "bench_learning_grids.png", "log": "bench_learning.log"}
 
 GPU_SECONDS = (
     "the sum over training steps of the trainer's perf/time_per_step: per RL step, from drawing the batch to the "
-    "end of the adapter sync, i.e. rollout on the shared GPU, reward scoring (RapidOCR on the CPU pool, while the "
-    "GPU waits), advantages, the update and the sync (timing_s/* gives the split). Not counted: setup (model load, "
-    "rollout worker start), validation (val_before_train included), TensorBoard logging and checkpoints. Curve "
-    "points sit at the GPU-seconds accumulated up to the validated step.")
+    "end of the adapter sync, i.e. rollout on the GPU, reward scoring (RapidOCR on the CPU pool, while the GPU "
+    "waits), advantages, the update and the sync. Not counted: setup (model load, rollout worker start), "
+    "validation, TensorBoard logging and checkpoints. With --concurrent 1 each run's own step times are used (the "
+    "run had the GPU alone). With --concurrent N > 1 the runs share the GPU and the CPU, so their own step times "
+    "are inflated: step s of a run is placed at t_first + (s - 1) * t_rest, where t_first is step 1 and t_rest the "
+    "mean of the later steps of a solo calibration run of the same algorithm and settings (--calibration_steps "
+    "steps, no validation, run alone before the others); the run's own shared times are kept as 'shared_seconds'.")
 CONTROL_WHY = (
     "train_dppo.py with the Flow-DPPO flags and --lr 0: with lr = 0 AdamW changes nothing (decoupled weight decay "
-    "is lr * wd = 0), so the policy stays the starting model while the run still does every part of a step (SDE "
-    "rollouts, rewards, advantages, replay, backward, sync). Its held-out curve is the noise floor of the "
-    "evaluation itself (same prompts and seeds at every validation; drift = non-determinism), and its training "
-    "reward the per-step noise of the SDE rollouts that DPPO and GRPO start from. The DiffusionNFT trainer at lr 0 "
-    "would validate the same unchanged model.")
+    "is lr * wd = 0), so the policy stays the starting model while the run still does every part of a step. Its "
+    "held-out curve is the start point at every evaluation (same prompts, same seeds) and shows the evaluation's "
+    "own non-determinism, if any; it runs once, since it does not depend on the training seed.")
+START_POINT = (
+    "the base model scored by exactly the bench's held-out evaluation: every prompt of --val_files (ocr_mini: 256 = "
+    "64 words x 4 held-out templates), one sample each with the fixed seed rollout.row_seed(val_seed 42, 1, prompt "
+    "index), 20-step ODE, 128x128, true CFG 1.0, rapidocr reward (mean over prompts, its standard error, and exact "
+    "match). It is every run's step-0 evaluation and the control's value at every step. Measured for ocr_mini on "
+    "one H200 (2026-12-04, learning_nft_val256_85s.json and learning_dppo_256_per_update_330s.json): reward 0.417, "
+    "exact match 0.191.")
 
-# Shared by all four runs: the recipes scaled to one GPU and a small model (SCALING says how and why).
+# Why each setting is what it is (printed by --help, copied into the JSON and the markdown).
+WHY: dict[str, str] = {
+    "samples per update": (
+        "each algorithm at its recipe's samples per optimizer step, one update per rollout step: Flow-DPPO and "
+        "Flow-GRPO 16 prompts x 16 = 256 (verl-omni), DiffusionNFT 12 x 16 = 192 (verl-omni's mini-batch of 12 "
+        "prompts). Measured (2026-12-04, dppo_grpo_learning_analysis.md): at 32 samples per update the "
+        "Flow-DPPO/GRPO gradient is noise (cosine between two batches' gradients 0.00-0.09, against 0.33-0.41 for "
+        "DiffusionNFT) and the held-out reward fell (-0.047, -0.005); at 256 per update Flow-DPPO learned (+0.07 to "
+        "+0.1 held-out). One update per step also makes the Flow-GRPO ratio 1 in every update, so its clip (and "
+        "Flow-DPPO's mask) never binds there: at these defaults Flow-DPPO and Flow-GRPO take the same gradient "
+        "(their losses differ only from a second update per step on, e.g. --set grpo.train_batch_size=32)."),
+    "--scale": (
+        "multiplies every algorithm's prompts per step alike (rollout_n 16 kept), e.g. 0.5 -> 8 x 16 and 6 x 16, "
+        "if the GPU-second budget cannot afford the recipes' batches; the ratio between the algorithms stays."),
+    "lr": (
+        "3e-4 for every trained run, the recipes' value. The 2026-12-04 curves were all measured at 1e-3 and none "
+        "at 3e-4, so they give no reason to move every algorithm off the recipe (at 1e-3 and 32 per update the "
+        "Adam steps random-walked DPPO/GRPO; at 1e-3 and 256 Flow-DPPO peaked at step 30 and then wandered); "
+        "--set lr=1e-3 runs the measured value."),
+    "seeds": (
+        "--seeds runs per trained algorithm (trainer --seed 42, 43, ...: rollout noise and data order), the "
+        "control once; the table gives mean +- std over seeds. The held-out prompts and their seeds stay fixed."),
+    "held-out": (
+        "every prompt of the test split (val_max_samples 0: all 256 of ocr_mini, 4 templates x 64 words), fixed "
+        "seeds, 20 ODE steps, before training and --evals times after it (the last step always). The old default "
+        "(64 prompts of one template, one seed) had a standard error of about 0.037."),
+    "model and images": (
+        "LoRA rank 16 / alpha 32 (the recipes' alpha/rank = 2) for the 3.85M-parameter model, 128^2 images, 10 "
+        "rollout steps (recipes), true CFG 1.0 for every run (one sampler, one start point), wd 1e-4 (recipes); "
+        "reward rapidocr (CPU) instead of the recipes' Qwen3-VL GenRM."),
+    "Flow-DPPO / Flow-GRPO SDE": (
+        "verl-omni's: SDE noise level 1.2, window of 2 steps starting in [0, 5), DPPO KL mask 1e-5, GRPO clip 1e-5 "
+        "and advantages clamped to +-5. grpo_fg runs flow_grpo's values instead (clip 1e-4, noise level 0.7)."),
+}
+
+# Shared by every run (WHY says why); --set KEY=VALUE / ALGO.KEY=VALUE changes any of them.
 COMMON: dict[str, Any] = dict(
     height=128, width=128, num_inference_steps=10, val_num_inference_steps=20, true_cfg_scale=1.0,
-    max_sequence_length=256, train_batch_size=4, rollout_n=16, ppo_mini_batch_size=2, micro_batch_size=32,
-    lora_rank=16, lora_alpha=32, lr=1e-3, weight_decay=1e-4, rollout_max_batch_size=64, seed=42, val_seed=42,
-    val_before_train=True, test_freq=5, val_max_samples=64, num_val_images=8, log_every=1, keep_last=1,
-    save_freq=10**9, resume="never", ocr_backend="rapidocr", rapidocr_det_limit_side_len=256)
-SCALING = (
-    "One GPU holds the trainer rank and the rollout worker. Batch: 4 prompts x 16 samples per step (the recipes' "
-    "rollout_n 16 kept, 32 resp. 24 prompts cut to 4) with 2-prompt mini-batches, so 2 optimizer steps per rollout "
-    "step as in all three recipes; micro-batch 32 and rollout batch 64 (the small model fits whole). LoRA rank 16 / "
-    "alpha 32 (the recipes' alpha/rank = 2 of 64/128) for a model a few hundred channels wide. lr 1e-3 for every "
-    "trained run (recipes: 3e-4 at rank 64 on the 3072-wide Qwen-Image; raised because the budget allows tens of "
-    "steps, one value for all so that the algorithms and not their tuning differ), wd 1e-4 (recipes). 128^2 "
-    "images, 10 rollout steps (recipes), validation 20 ODE steps (recipes 40/50) on 64 held-out prompts (recipes "
-    "256/1018), every 5 steps and before training. true CFG 1.0 for all four (the DiffusionNFT recipe's; the "
-    "DPPO/GRPO recipes use 4.0): one sampler, so one start point for every run. Reward: rapidocr (CPU, "
-    "Det.limit_side_len 256, a process pool) instead of the Qwen3-VL GenRM. --set KEY=VALUE / ALGO.KEY=VALUE "
-    "changes any of these (e.g. --set lr=3e-4 for the recipes' lr).")
+    max_sequence_length=256, rollout_n=16, micro_batch_size=32, lora_rank=16, lora_alpha=32, lr=3e-4,
+    weight_decay=1e-4, rollout_max_batch_size=64, seed=42, val_seed=42, val_before_train=True, val_max_samples=0,
+    num_val_images=8, log_every=1, keep_last=1, save_freq=10**9, resume="never", ocr_backend="rapidocr",
+    rapidocr_det_limit_side_len=256)
 DPPO_FLAGS: dict[str, Any] = dict(loss="flow_dppo", kl_mask_threshold=1e-5, noise_level=1.2, sde_type="sde",
                                   sde_window_size=2, sde_window_range="0,5")
 
@@ -99,41 +133,168 @@ class Algorithm:
     name: str
     label: str
     script: str
+    prompts: int                 # prompts per step = per optimizer step (one update per step), before --scale
     flags: dict[str, Any]
     recipe: str
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("nft", "DiffusionNFT", "train_nft.py",
+    Algorithm("control", "lr = 0 control", "train_dppo.py", 16, dict(DPPO_FLAGS, lr=0.0), CONTROL_WHY),
+    Algorithm("nft", "DiffusionNFT", "train_nft.py", 12,
               dict(mix_beta=0.1, ref_kl_coef=1e-4, adv_clip_max=5.0, timestep_fraction=1.0, adv_mode="continuous",
                    old_policy_decay_schedule="delayed_linear_to_0_999", old_policy_update_interval=2),
-              "verl-omni Qwen-Image DiffusionNFT OCR LoRA recipe (specs/algorithms.md 8.2): ODE rollouts with the "
-              "`old` adapter, mix_beta 0.1, ref_kl_coef 1e-4, adv_clip_max 5, timestep_fraction 1.0, continuous, "
-              "old policy delayed_linear_to_0_999 every 2 steps (decay 0 before step 75, so `old` is a copy of the "
-              "policy refreshed every 2 steps here; validation samples with `old`, as in verl-omni), true CFG 1.0; "
-              "24 prompts x 16, mini 12, LoRA 64/128, lr 3e-4, wd 1e-4"),
-    Algorithm("dppo", "Flow-DPPO", "train_dppo.py", dict(DPPO_FLAGS),
-              "scripts/run_qwen_image_ocr_lora.sh (verl-omni Flow-DPPO Qwen-Image OCR, specs/algorithms.md 8.2): "
-              "kl_mask_threshold 1e-5, add_kl_coefficient, sde, noise 1.2, SDE window 2 in [0,5], 32 prompts x 16, "
-              "mini 16, LoRA 64/128, lr 3e-4, wd 1e-4, true CFG 4.0"),
-    Algorithm("grpo", "Flow-GRPO", "train_dppo.py",
+              "verl-omni Qwen-Image DiffusionNFT OCR LoRA recipe: ODE rollouts with the `old` adapter, mix_beta 0.1, "
+              "ref_kl_coef 1e-4, adv_clip_max 5, timestep_fraction 1.0, continuous, old policy "
+              "delayed_linear_to_0_999 every 2 steps, true CFG 1.0; mini-batch 12 prompts x 16 (the recipe draws "
+              "24 per step for 2 updates; here 12 per step, one update), lr 3e-4, wd 1e-4"),
+    Algorithm("dppo", "Flow-DPPO", "train_dppo.py", 16, dict(DPPO_FLAGS),
+              "scripts/run_qwen_image_ocr_lora.sh (verl-omni Flow-DPPO Qwen-Image OCR): kl_mask_threshold 1e-5, "
+              "sde, noise 1.2, SDE window 2 in [0,5], mini-batch 16 prompts x 16 (the recipe: 32 per step, 2 "
+              "updates; here 16 per step, one update), lr 3e-4, wd 1e-4 (true CFG 1.0 here, 4.0 there)"),
+    Algorithm("grpo", "Flow-GRPO", "train_dppo.py", 16,
               dict(DPPO_FLAGS, loss="flow_grpo", clip_ratio=1e-5, adv_clip_max=5.0),
-              "the Flow-DPPO recipe with --loss flow_grpo --clip_ratio 1e-5 (verl-omni's Flow-GRPO Qwen-Image OCR "
-              "recipe: the same batch, LoRA, lr, SDE window; advantages clamped to +-5)"),
-    Algorithm("control", "lr = 0 control", "train_dppo.py", dict(DPPO_FLAGS, lr=0.0), CONTROL_WHY),
+              "verl-omni's Flow-GRPO Qwen-Image OCR recipe: the Flow-DPPO recipe with --loss flow_grpo "
+              "--clip_ratio 1e-5, advantages clamped to +-5"),
+    Algorithm("grpo_fg", "Flow-GRPO (flow_grpo)", "train_dppo.py", 16,
+              dict(DPPO_FLAGS, loss="flow_grpo", clip_ratio=1e-4, noise_level=0.7, adv_clip_max=5.0),
+              "Flow-GRPO with flow_grpo's own settings (config/grpo.py): clip range 1e-4, SDE noise level 0.7; "
+              "otherwise as grpo"),
 )}
+DEFAULT_ALGORITHMS = "control,nft,dppo,grpo"
 
-# --smoke: the same four runs on CPU with the tiny random-weight Qwen-Image (no learning is expected, only the path).
+# --smoke: the same runs on CPU with the tiny random-weight Qwen-Image (no learning is expected, only the path).
 SMOKE: dict[str, Any] = dict(
     device="cpu", rollout_devices="cpu", rollout_threads=1, height=64, width=64, num_inference_steps=4,
-    val_num_inference_steps=2, train_batch_size=2, rollout_n=2, ppo_mini_batch_size=1, micro_batch_size=2,
-    lora_rank=4, lora_alpha=8, lr=1e-2, rollout_max_batch_size=16, val_max_samples=2, num_val_images=2,
-    test_freq=2, rapidocr_workers=1)
+    val_num_inference_steps=2, rollout_n=2, micro_batch_size=2, lora_rank=4, lora_alpha=8, lr=1e-2,
+    rollout_max_batch_size=16, val_max_samples=2, num_val_images=2, rapidocr_workers=1)
+SMOKE_PROMPTS = 1                                   # prompts per step of every smoke run
 SMOKE_ALGO: dict[str, dict[str, Any]] = {"train_nft.py": dict(timestep_fraction=0.5),   # K = 2 of 4 steps
                                           "train_dppo.py": dict(sde_window_range="0,3")}  # the window fits 4 steps
 SMOKE_WORDS = ["open", "stop", "cafe", "exit", "hello", "sale"]
 SMOKE_TEMPLATES = {"train": ['A sign that says "{}"', 'A poster with the word "{}"'],
                    "test": ['A label reading "{}"']}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The math (pure functions; tests/test_bench_learning.py checks each against values computed by hand)
+# ----------------------------------------------------------------------------------------------------------------
+
+def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """(mean, sample standard deviation with ddof 1) of `values`; std 0.0 for one value, (None, None) for none."""
+    n = len(values)
+    if n == 0:
+        return None, None
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+
+
+def standard_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean of `values`: sample std (ddof 1) / sqrt(n); None for fewer than 2 values."""
+    if len(values) < 2:
+        return None
+    return mean_std(values)[1] / math.sqrt(len(values))
+
+
+def time_to_gain(curve: Sequence[tuple[float, float]], gain: float, *, interpolate: bool = True) -> float | None:
+    """GPU-seconds at which a held-out curve [(gpu_seconds, reward), ...] (first point = the start, in time order)
+    first reaches start + `gain`. With `interpolate`, linear between the last evaluation below that level and the
+    first one at or past it; else that first evaluation's time. None when no evaluation reaches it."""
+    level = curve[0][1] + gain
+    for i, (t, r) in enumerate(curve):
+        if r >= level:
+            if i == 0 or not interpolate:
+                return t
+            t0, r0 = curve[i - 1]
+            return t0 + (level - r0) / (r - r0) * (t - t0)   # r0 < level <= r, so r > r0
+    return None
+
+
+def efficiency_ratio(t_nft: Sequence[float | None], t_other: Sequence[float | None],
+                     other_end: Sequence[float] = ()) -> dict[str, Any]:
+    """How many times the GPU-seconds DiffusionNFT needed the other algorithm needs for the same held-out gain:
+    t_nft / t_other are the per-seed GPU-seconds to that gain (None = not reached), other_end the other's per-seed
+    final GPU-seconds. Over the seeds that reached it: ratio = mean(t_other) / mean(t_nft), its std by the delta
+    method, sqrt(cv_other^2 + cv_nft^2) * ratio (cv = std / mean over seeds), and min / max over every seed pair.
+    If DiffusionNFT reached the gain and the other never did, only a lower bound: min(other_end) / mean(t_nft).
+    'reached' gives the counts as 'k/n'."""
+    a = [t for t in t_nft if t is not None]
+    b = [t for t in t_other if t is not None]
+    out: dict[str, Any] = {"ratio": None, "std": None, "min": None, "max": None, "lower_bound": None,
+                           "reached": {"nft": f"{len(a)}/{len(t_nft)}", "other": f"{len(b)}/{len(t_other)}"}}
+    if not a:
+        return out
+    mean_a, std_a = mean_std(a)
+    if not b:
+        if other_end:
+            out["lower_bound"] = min(other_end) / mean_a
+        return out
+    mean_b, std_b = mean_std(b)
+    ratio = mean_b / mean_a
+    pairs = [y / x for x in a for y in b]
+    out.update(ratio=ratio, std=ratio * math.sqrt((std_a / mean_a) ** 2 + (std_b / mean_b) ** 2),
+               min=min(pairs), max=max(pairs))
+    return out
+
+
+def band(curves: Sequence[Sequence[tuple[float, float]]]) -> tuple[list[float], list[float], list[float]]:
+    """Mean and std (ddof 1; 0 for one curve) over curves [(x, y), ...] (x increasing), each linearly interpolated
+    onto the union of their x values up to the smallest last x (so every curve covers every point). -> (x, mean,
+    std)."""
+    end = min(c[-1][0] for c in curves)
+    xs = sorted({x for c in curves for x, _ in c if x <= end})
+    means, stds = [], []
+    for x in xs:
+        ys = [_interp(c, x) for c in curves]
+        m, s = mean_std(ys)
+        means.append(m)
+        stds.append(s)
+    return xs, means, stds
+
+
+def _interp(curve: Sequence[tuple[float, float]], x: float) -> float:
+    """y at x on the polyline `curve` (x increasing; x within its range)."""
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    return curve[0][1] if x <= curve[0][0] else curve[-1][1]
+
+
+def calibrated_gpu_seconds(step: int, t_first: float, t_rest: float) -> float:
+    """GPU-seconds after `step` steps of a run placed on its solo calibration: 0 at step 0, t_first after step 1,
+    t_first + (step - 1) * t_rest after later steps."""
+    return 0.0 if step <= 0 else t_first + (step - 1) * t_rest
+
+
+def calibration_times(step_times: Sequence[float]) -> tuple[float, float]:
+    """(t_first, t_rest) of a solo calibration run's per-step times: step 1 (compilation and warm-up land there)
+    and the mean of the later steps (step 1 again when there is only one)."""
+    if not step_times:
+        raise ValueError("a calibration run needs at least one step")
+    rest = list(step_times[1:]) or [step_times[0]]
+    return float(step_times[0]), sum(rest) / len(rest)
+
+
+def steps_for_budget(budget_s: float, t_first: float, t_rest: float, evals: int) -> tuple[int, int]:
+    """(total steps, validation every k steps) for a run of `budget_s` GPU-seconds at the calibrated step times:
+    the most steps whose calibrated GPU-seconds fit the budget (at least one), rounded to a multiple of k =
+    ceil(steps / evals), so that the last step is validated and there are about `evals` evaluations after step 0."""
+    fit = max(1, 1 + int(math.floor((budget_s - t_first) / t_rest)) if budget_s >= t_first else 1)
+    every = max(1, math.ceil(fit / max(1, evals)))
+    return max(every, fit // every * every), every
+
+
+def scaled_prompts(prompts: int, scale: float) -> int:
+    """Prompts per step under --scale: round(prompts * scale), at least 1."""
+    return max(1, int(round(prompts * scale)))
+
+
+def eta_seconds(step: int, total: int, step_times: Sequence[float]) -> float:
+    """Seconds left for `total - step` steps at the mean of the observed step times (the first, warm-up step left
+    out once there are others)."""
+    times = list(step_times[1:]) or list(step_times)
+    return 0.0 if not times else max(0, total - step) * sum(times) / len(times)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -158,18 +319,27 @@ def parse_overrides(items: Sequence[str], names: Sequence[str]) -> dict[str, dic
 
 
 def run_flags(algo: Algorithm, common: Mapping[str, Any], overrides: Mapping[str, Mapping[str, str]], *,
-              budget_s: float | None, steps: int | None) -> dict[str, Any]:
-    """The trainer flags of one run: common settings, the algorithm's recipe flags, the budget, then --set overrides
-    (every run's, then this algorithm's: e.g. control.max_wall_time_s=20 shortens only the control). The control's
-    lr stays 0 whatever '*' overrides say."""
-    if (budget_s is None) == (steps is None):
-        raise ValueError("give exactly one of budget_s (the --max_wall_time_s path) and steps")
-    budget: dict[str, Any] = ({"total_training_steps": int(steps)} if steps is not None else
-                              {"total_training_steps": 10**6, "max_wall_time_s": float(budget_s)})  # time ends it
-    flags = {**common, **algo.flags, **budget, **overrides.get("*", {}), **overrides.get(algo.name, {})}
+              steps: int, test_freq: int, seed_offset: int = 0, scale: float = 1.0,
+              prompts: int | None = None) -> dict[str, Any]:
+    """The trainer flags of one run: common settings, the batch (`prompts` per step, default the algorithm's
+    recipe value times `scale`, as one mini-batch: one update per step), the algorithm's recipe flags, the step
+    count and validation cadence, the seed (common seed + seed_offset), then --set overrides (every run's, then
+    this algorithm's). The control's lr stays 0 whatever '*' overrides say."""
+    n = prompts if prompts is not None else scaled_prompts(algo.prompts, scale)
+    flags = {**common, "train_batch_size": n, "ppo_mini_batch_size": n, **algo.flags,
+             "total_training_steps": int(steps), "test_freq": int(test_freq),
+             "seed": int(common.get("seed", 42)) + seed_offset, **overrides.get("*", {}),
+             **overrides.get(algo.name, {})}
     if algo.name == "control":
         flags["lr"] = 0.0
     return flags
+
+
+def calibration_flags(flags: Mapping[str, Any], steps: int) -> dict[str, Any]:
+    """A solo calibration run's flags: the run's own, `steps` steps, no validation (no --val_files, no
+    --val_before_train), so that its step times are the algorithm's alone."""
+    return dict(flags, total_training_steps=int(steps), test_freq=0, val_before_train=False, val_files=None,
+                num_val_images=0)
 
 
 def to_argv(flags: Mapping[str, Any]) -> list[str]:
@@ -182,27 +352,8 @@ def to_argv(flags: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-def trainer_accepts(script: str, flag: str, value: str = "1") -> bool:
-    """Whether `script`'s own parser accepts `flag value` (imports the trainer module; parses, runs nothing)."""
-    module = importlib.import_module(os.path.splitext(script)[0])
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            module.parse_args(["--model_path", "m", "--train_files", "t", flag, value])
-    except SystemExit:
-        return False
-    return True
-
-
-def require_flag(scripts: Sequence[str], flag: str) -> None:
-    """SystemExit naming the trainers whose parser lacks `flag` (the budget path needs --max_wall_time_s)."""
-    missing = [script for script in scripts if not trainer_accepts(script, flag)]
-    if missing:
-        raise SystemExit(f"{', '.join(missing)} has no {flag} (the trainers' time-budget stop); pass --steps N for "
-                         f"a fixed number of steps per run instead")
-
-
 def check_inputs(model_path: str, train_files: str, val_files: str) -> None:
-    """Fail before any run starts: the model folder, both parquet files, and OCR rows in the held-out set."""
+    """Fail before any run starts: the model folder, both parquet files, and OCR rows in both."""
     import pyarrow.parquet as pq
 
     if not os.path.isfile(os.path.join(model_path, "model_index.json")):
@@ -248,40 +399,69 @@ def tiny_qwen_image() -> str:
 class RunRecord:
     """What one finished run logged, in benchmark terms (see read_run)."""
     steps: int
-    gpu_seconds: float
-    curve: list[dict[str, float | None]]          # held-out: step, gpu_seconds, reward, exact_match
+    step_times: list[float]                       # perf/time_per_step of steps 1..steps (its own)
+    curve: list[dict[str, Any]]                   # held-out: step, gpu_seconds, reward, reward_se, n, exact_match
     train_curve: list[dict[str, float]]           # step, gpu_seconds, reward (critic/rewards/mean)
     timing_s: dict[str, float]                    # sums of timing_s/* over the run (testing = validation)
-    final_step_validated: bool
     grids: dict[str, tuple[int, bytes]] = field(default_factory=dict)   # "before"/"after" -> (step, PNG)
 
+    @property
+    def gpu_seconds(self) -> float:
+        return self.curve[-1]["gpu_seconds"] if self.curve else sum(self.step_times)
 
-def read_run(run_dir: str) -> RunRecord:
-    """The run's held-out and training curves against GPU-seconds (GPU_SECONDS), step count, timing sums and the
-    validation grids of its first and last validated steps. Raises when the run has no training step or no
-    validation at step 0 (the start point) and after it."""
+
+def validation_rewards(run_dir: str) -> dict[int, list[float]]:
+    """{step: every held-out sample's reward} from the run's judge_replies.jsonl (validation logs each reply)."""
+    out: dict[int, list[float]] = {}
+    path = os.path.join(run_dir, JUDGE_LOG)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                if record.get("phase") == "val" and record.get("reward") == record.get("reward"):
+                    out.setdefault(int(record["step"]), []).append(float(record["reward"]))
+    return out
+
+
+def read_run(run_dir: str, *, calibration: tuple[float, float] | None = None,
+             need_validation: bool = True) -> RunRecord:
+    """The run's held-out and training curves against GPU-seconds (GPU_SECONDS: its own cumulative step times, or
+    the solo `calibration` (t_first, t_rest) when it shared the GPU; its own then go to 'shared_seconds'), the
+    held-out standard error per evaluation (from the per-sample rewards), timing sums and the validation grids of
+    its first and last evaluations. Raises when the run has no training step or (need_validation) no step-0
+    evaluation and one after it."""
     m = scalars(run_dir)
     if STEP_TIME_KEY not in m:
         raise RuntimeError(f"{run_dir}: no {STEP_TIME_KEY} logged (did the trainer run a step?)")
-    step_times = dict(m[STEP_TIME_KEY])
-    steps = max(step_times)
-    if sorted(step_times) != list(range(1, steps + 1)):
-        raise RuntimeError(f"{run_dir}: {STEP_TIME_KEY} logged for steps {sorted(step_times)}, not 1..{steps}")
-    cumulative = [0.0]
-    for s in range(1, steps + 1):
-        cumulative.append(cumulative[-1] + step_times[s])
+    by_step = dict(m[STEP_TIME_KEY])
+    steps = max(by_step)
+    if sorted(by_step) != list(range(1, steps + 1)):
+        raise RuntimeError(f"{run_dir}: {STEP_TIME_KEY} logged for steps {sorted(by_step)}, not 1..{steps}")
+    step_times = [by_step[s] for s in range(1, steps + 1)]
+    own = [0.0]
+    for t in step_times:
+        own.append(own[-1] + t)
+    gpu = own if calibration is None else [calibrated_gpu_seconds(s, *calibration) for s in range(steps + 1)]
     reward = dict(m.get(REWARD_KEY, []))
     exact = dict(m.get(EXACT_KEY, []))
-    if 0 not in reward or not any(s > 0 for s in reward):
+    if need_validation and (0 not in reward or not any(s > 0 for s in reward)):
         raise RuntimeError(f"{run_dir}: {REWARD_KEY} needs a step-0 validation (--val_before_train) and one after "
                            f"training; logged at steps {sorted(reward)}")
-    curve = [{"step": s, "gpu_seconds": cumulative[s], "reward": reward[s], "exact_match": exact.get(s)}
-             for s in sorted(reward) if s <= steps]
-    train_curve = [{"step": s, "gpu_seconds": cumulative[s], "reward": v} for s, v in m.get(TRAIN_REWARD_KEY, [])]
+    samples = validation_rewards(run_dir)
+    curve = []
+    for s in sorted(reward):
+        if s <= steps:
+            point = {"step": s, "gpu_seconds": gpu[s], "reward": reward[s],
+                     "reward_se": standard_error(samples.get(s, [])), "n": len(samples.get(s, [])),
+                     "exact_match": exact.get(s)}
+            if calibration is not None:
+                point["shared_seconds"] = own[s]
+            curve.append(point)
+    train_curve = [{"step": s, "gpu_seconds": gpu[s], "reward": v} for s, v in m.get(TRAIN_REWARD_KEY, [])
+                   if s <= steps]
     timing = {k.split("/", 1)[1]: sum(v for _, v in vals) for k, vals in m.items() if k.startswith("timing_s/")}
+    record = RunRecord(steps=steps, step_times=step_times, curve=curve, train_curve=train_curve, timing_s=timing)
     grids = images(run_dir, GRID_TAG)
-    record = RunRecord(steps=steps, gpu_seconds=cumulative[-1], curve=curve, train_curve=train_curve,
-                       timing_s=timing, final_step_validated=steps in reward)
     if grids:
         first, last = min(grids), max(grids)
         record.grids = {"before": (first, grids[first]), "after": (last, grids[last])}
@@ -289,132 +469,308 @@ def read_run(run_dir: str) -> RunRecord:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Summary
+# Running trainers: each in its own process group, polled from the main thread, all stopped on any exit
 # ----------------------------------------------------------------------------------------------------------------
 
-def _rate(gain: float | None, seconds: float) -> float | None:
-    return None if gain is None or seconds <= 0 else gain / seconds
+LIVE: dict[int, subprocess.Popen] = {}              # pid -> every trainer launcher this bench has running
+PROGRESS = re.compile(r"step (\d+)/(\d+) \| ([0-9.]+)s/step(?:.*?rewards/mean ([-+0-9.eEna]+))?")
 
 
-def summarize_runs(records: Mapping[str, RunRecord], control: str = "control",
-                   threshold: float = 0.1) -> dict[str, dict[str, Any]]:
-    """Per run: start / end (first and last held-out point), gain, gain over the control's gain, rates per
-    GPU-second (gain over the control / GPU-seconds at the end point) and the GPU-seconds at which the held-out
-    reward first reached start + `threshold`. Without a control run the gains over it are None."""
-    def gains(rec: RunRecord) -> dict[str, float | None]:
-        first, last = rec.curve[0], rec.curve[-1]
-        ex = None if first["exact_match"] is None or last["exact_match"] is None else \
-            last["exact_match"] - first["exact_match"]
-        return {"reward": last["reward"] - first["reward"], "exact_match": ex}
+def _die_with_parent() -> None:  # runs in the child before exec: SIGTERM to torchrun if the bench dies (SIGKILL)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
-    base = gains(records[control]) if control in records else None
-    out: dict[str, dict[str, Any]] = {}
-    for name, rec in records.items():
-        first, last = rec.curve[0], rec.curve[-1]
-        gain = gains(rec)
-        vs = {k: (None if base is None or gain[k] is None or base[k] is None else gain[k] - base[k]) for k in gain}
-        reached = next((p["gpu_seconds"] for p in rec.curve if p["reward"] >= first["reward"] + threshold), None)
-        out[name] = {
-            "start": {"reward": first["reward"], "exact_match": first["exact_match"]},
-            "end": {"reward": last["reward"], "exact_match": last["exact_match"], "step": last["step"],
-                    "gpu_seconds": last["gpu_seconds"]},
-            "gain": gain,
-            "gain_vs_control": vs,
-            "reward_gain_vs_control_per_gpu_second": _rate(vs["reward"], last["gpu_seconds"]),
-            "exact_match_gain_vs_control_per_gpu_second": _rate(vs["exact_match"], last["gpu_seconds"]),
-            "reward_gain_per_gpu_second": _rate(gain["reward"], last["gpu_seconds"]),
-            f"gpu_seconds_to_start_plus_{threshold:g}": reached,
-        }
+
+def launch(script: str, argv: Sequence[str], log_path: str, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start `scripts/torchrun.py --nproc_per_node 1 <script> argv` (OMP_NUM_THREADS=1, the repo first on
+    PYTHONPATH) in a new process group, its stdout and stderr to `log_path`, registered in LIVE."""
+    command = [sys.executable, os.path.join(REPO, "scripts", "torchrun.py"), "--nproc_per_node", "1",
+               "--master_port", str(free_port()), os.path.join(REPO, script), *map(str, argv)]
+    inherited = [p for p in [os.environ.get("PYTHONPATH")] if p]
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, *inherited]), **(env or {}))
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        proc = subprocess.Popen(command, cwd=REPO, env=run_env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    LIVE[proc.pid] = proc
+    return proc
+
+
+def stop_all(grace_s: float = 10.0) -> list[int]:
+    """SIGTERM every live trainer's process group (torchrun, the rank, its rollout worker and OCR pool), SIGKILL
+    what is left after `grace_s`; returns the pids that were stopped. Safe to call twice."""
+    stopped = []
+    for pid, proc in list(LIVE.items()):
+        if proc.poll() is None:
+            stopped.append(pid)
+            with _suppress():
+                os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for pid, proc in list(LIVE.items()):
+        with _suppress():
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        with _suppress():
+            os.killpg(pid, signal.SIGKILL)   # the group: children that outlived their launcher too
+        with _suppress():
+            proc.wait(timeout=5)
+        LIVE.pop(pid, None)
+    return stopped
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError, subprocess.TimeoutExpired))
+
+
+class Interrupted(Exception):
+    """SIGINT / SIGTERM / SIGHUP reached the bench."""
+
+
+def _on_signal(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def read_progress(log_path: str) -> list[tuple[int, int, float, float | None]]:
+    """[(step, total, seconds per step, training reward or None), ...] from a trainer's progress lines."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - (1 << 20)))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    out = []
+    for step, total, seconds, reward in PROGRESS.findall(text):
+        try:
+            value = float(reward) if reward else None
+        except ValueError:
+            value = None
+        out.append((int(step), int(total), float(seconds), value))
     return out
 
 
-def verdict(summary: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str],
-            control: str = "control") -> dict[str, Any]:
-    """Which trained run raised the held-out reward beyond the control fastest per GPU-second, by how much (ratio
-    to the runner-up when both rates are positive, else the difference), and DiffusionNFT vs Flow-GRPO (the
-    DiffusionNFT paper claims up to 25x the efficiency of Flow-GRPO)."""
-    key = "reward_gain_vs_control_per_gpu_second"
-    rates = {n: s[key] for n, s in summary.items() if n != control and s[key] is not None}
-    if not rates:
-        return {"fastest": None, "statement": "no trained run with a control to compare against"}
-    ranked = sorted(rates, key=rates.get, reverse=True)
-    best = ranked[0]
-    out: dict[str, Any] = {"fastest": best, "rates": rates, "ranking": ranked}
-    if rates[best] <= 0:
-        out["statement"] = (f"no algorithm raised the held-out reward beyond the lr = 0 control (best: "
-                            f"{labels[best]}, {rates[best]:+.2e} reward / GPU-s)")
-    elif len(ranked) > 1 and rates[ranked[1]] > 0:
-        out["ratio_to_runner_up"] = rates[best] / rates[ranked[1]]
-        out["statement"] = (f"{labels[best]} learned fastest per GPU-second: {rates[best]:.2e} reward / GPU-s over "
-                            f"the control, {out['ratio_to_runner_up']:.2f}x {labels[ranked[1]]} "
-                            f"({rates[ranked[1]]:.2e})")
-    else:
-        runner = f", {labels[ranked[1]]} {rates[ranked[1]]:+.2e}" if len(ranked) > 1 else ""
-        out["statement"] = (f"{labels[best]} learned fastest per GPU-second: {rates[best]:.2e} reward / GPU-s over "
-                            f"the control (the only positive rate{runner})")
-    if "nft" in rates and "grpo" in rates:
-        nft, grpo = rates["nft"], rates["grpo"]
-        claim = "DiffusionNFT claims up to 25x the efficiency of Flow-GRPO"
-        if nft > 0 and grpo > 0:
-            out["nft_vs_grpo"] = nft / grpo
-            out["papers_agree"] = nft > grpo
-            out["papers"] = (f"{claim}; here DiffusionNFT gains {nft / grpo:.2f}x Flow-GRPO's reward per GPU-second"
-                             + (" (the same ordering)" if nft > grpo else " (the ordering DIFFERS from the claim)"))
-        elif nft > 0 or grpo > 0:
-            out["nft_vs_grpo"] = None
-            out["papers_agree"] = nft > 0
-            winner = "DiffusionNFT" if nft > 0 else "Flow-GRPO"
-            out["papers"] = (f"{claim}; here only {winner} beat the control ({nft:+.2e} vs {grpo:+.2e} reward / "
-                             "GPU-s)" + ("" if nft > 0 else ": the ordering DIFFERS from the claim"))
-        else:
-            out["nft_vs_grpo"], out["papers_agree"] = None, None
-            out["papers"] = f"{claim}; here neither beat the control ({nft:+.2e} vs {grpo:+.2e}): no ordering"
+@dataclass
+class Job:
+    name: str                      # e.g. "nft_s1", "control", "calibrate_dppo"
+    algo: Algorithm
+    flags: dict[str, Any]
+    run_dir: str
+    seed_index: int = 0
+    calibration: tuple[float, float] | None = None   # used when the run shares the GPU
+    kind: str = "run"              # "run" or "calibration"
+
+    @property
+    def argv(self) -> list[str]:
+        return to_argv(dict(self.flags, output_dir=self.run_dir))
+
+
+def run_jobs(jobs: Sequence[Job], concurrent: int, *, timeout_s: float, say: Callable[[str], None],
+             on_done: Callable[[Job, subprocess.Popen | None, float, str | None], None], resume: bool = False,
+             stop_launching_at: float | None = None, progress_every_s: float = 10.0) -> list[Job]:
+    """Run `jobs` at most `concurrent` at a time from this thread, printing each run's progress (step, training
+    reward, ETA) at most every `progress_every_s`; `on_done(job, proc, wall_s, error)` after each (error None on
+    success; proc None when --resume found the run finished with the same flags). Returns the jobs not started
+    because time.monotonic() passed `stop_launching_at`. The caller stops the runs (stop_all) on any exit."""
+    pending, running = list(jobs), []
+    while pending or running:
+        while pending and len(running) < concurrent:
+            if stop_launching_at is not None and time.monotonic() > stop_launching_at:
+                return pending
+            job = pending.pop(0)
+            marker = os.path.join(job.run_dir, "bench_done.json")
+            if resume and os.path.isfile(marker) and json.load(open(marker)).get("argv") == job.argv:
+                say(f"== {job.name}: finished earlier with the same flags (--resume), reused")
+                on_done(job, None, json.load(open(marker)).get("wall_seconds", 0.0), None)
+                continue
+            shutil.rmtree(job.run_dir, ignore_errors=True)
+            os.makedirs(os.path.dirname(job.run_dir) or ".", exist_ok=True)
+            say(f"== {job.name} ({job.algo.label}): {job.algo.script} {' '.join(job.argv)}")
+            log = job.run_dir + ".console.log"
+            running.append((job, launch(job.algo.script, job.argv, log), time.monotonic(), log, [-1, 0.0]))
+        time.sleep(0.5)
+        for entry in list(running):
+            job, proc, start, log, last = entry
+            now = time.monotonic()
+            lines = read_progress(log)
+            if lines and lines[-1][0] != last[0] and now - last[1] >= progress_every_s:
+                step, total, _, reward = lines[-1]
+                eta = eta_seconds(step, total, [t for _, _, t, _ in lines])
+                say(f"   {job.name}: step {step}/{total}" + ("" if reward is None else f", reward {reward:.3f}")
+                    + f", {now - start:.0f} s, ETA {eta:.0f} s")
+                last[:] = [step, now]
+            rc = proc.poll()
+            if rc is None and now - start > timeout_s:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+                error = f"ran past {timeout_s:.0f} s and was killed"
+            elif rc is None:
+                continue
+            else:
+                error = None if rc == 0 else f"exit {rc}"
+            LIVE.pop(proc.pid, None)
+            running.remove(entry)
+            if error:
+                with open(log, encoding="utf-8", errors="replace") as f:
+                    error += ":\n" + f.read()[-4000:]
+            on_done(job, proc, now - start, error)
+            if error is None:
+                with open(os.path.join(job.run_dir, "bench_done.json"), "w") as f:
+                    json.dump({"argv": job.argv, "wall_seconds": now - start}, f)
+    return []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Summary: per run, then per algorithm over its seeds, then DiffusionNFT's efficiency against each other algorithm
+# ----------------------------------------------------------------------------------------------------------------
+
+def summarize_run(rec: RunRecord, control: RunRecord | None) -> dict[str, Any]:
+    """One run: start and end (first and last evaluation, with their standard errors), gain, gain over the
+    control (its end minus its start minus the control's), and the GPU-seconds to each gain in GAINS over its
+    start (time_to_gain, interpolated)."""
+    first, last = rec.curve[0], rec.curve[-1]
+    gain = last["reward"] - first["reward"]
+    base = None if control is None else control.curve[-1]["reward"] - control.curve[0]["reward"]
+    ex = (None if first["exact_match"] is None or last["exact_match"] is None
+          else last["exact_match"] - first["exact_match"])
+    points = [(p["gpu_seconds"], p["reward"]) for p in rec.curve]
+    return {"start": {k: first[k] for k in ("reward", "reward_se", "n", "exact_match")},
+            "end": {k: last[k] for k in ("step", "gpu_seconds", "reward", "reward_se", "n", "exact_match")},
+            "gain": {"reward": gain, "exact_match": ex},
+            "gain_vs_control": None if base is None else gain - base,
+            "gpu_seconds_to_gain": {f"{g:g}": time_to_gain(points, g) for g in GAINS}}
+
+
+def summarize_algorithm(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One algorithm over its seeds (summarize_run entries): mean +- std of the held-out end reward, of the gain
+    over the control (and its standard error over seeds, std / sqrt(n)), of exact match at the end, and of the
+    GPU-seconds to each gain among the seeds that reached it ('reached' k/n)."""
+    def stats(values):
+        values = [v for v in values if v is not None]
+        m, s = mean_std(values)
+        return {"mean": m, "std": s, "n": len(values)}
+
+    gains = [r["gain_vs_control"] for r in runs]
+    out = {"seeds": len(runs),
+           "end_reward": stats([r["end"]["reward"] for r in runs]),
+           "gain_vs_control": {**stats(gains), "se": standard_error([g for g in gains if g is not None])},
+           "end_exact_match": stats([r["end"]["exact_match"] for r in runs]),
+           "end_gpu_seconds": stats([r["end"]["gpu_seconds"] for r in runs]),
+           "gpu_seconds_to_gain": {}}
+    for g in GAINS:
+        times = [r["gpu_seconds_to_gain"][f"{g:g}"] for r in runs]
+        out["gpu_seconds_to_gain"][f"{g:g}"] = {**stats(times), "per_seed": times,
+                                                "reached": f"{sum(t is not None for t in times)}/{len(times)}"}
     return out
 
 
-def table(summary: Mapping[str, Mapping[str, Any]], records: Mapping[str, RunRecord],
-          labels: Mapping[str, str]) -> str:
-    """The final plain-text table, one row per run: steps, GPU-seconds in all and at the last held-out point
-    (end@s), held-out reward start / end / gain / gain over the control / that gain per GPU-second (at end@s), and
-    exact-match start / end / gain over the control."""
-    def f(v, spec="+.3f"):
-        return "-" if v is None else format(v, spec)
+def efficiency(per_algo: Mapping[str, Mapping[str, Any]], per_run_end: Mapping[str, Sequence[float]],
+               reference: str = "nft") -> dict[str, dict[str, Any]]:
+    """{other algorithm: {gain: efficiency_ratio(reference's per-seed GPU-seconds to the gain, the other's)}} for
+    every trained algorithm other than the reference (the control excluded)."""
+    if reference not in per_algo:
+        return {}
+    out = {}
+    for name, s in per_algo.items():
+        if name in (reference, "control"):
+            continue
+        out[name] = {f"{g:g}": efficiency_ratio(per_algo[reference]["gpu_seconds_to_gain"][f"{g:g}"]["per_seed"],
+                                                s["gpu_seconds_to_gain"][f"{g:g}"]["per_seed"], per_run_end[name])
+                     for g in GAINS}
+    return out
 
-    head = (f"{'run':<16}{'steps':>6}{'GPU-s':>8}{'end@s':>8}{'start':>8}{'end':>8}{'gain':>8}{'vs ctrl':>9}"
-            f"{'/GPU-s':>10}"
-            f"{'exact start':>12}{'exact end':>10}{'exact vs ctrl':>14}")
-    rows = [head, "-" * len(head)]
-    for name, s in summary.items():
-        r = records[name]
-        rows.append(f"{labels[name]:<16}{r.steps:>6}{r.gpu_seconds:>8.1f}{s['end']['gpu_seconds']:>8.1f}"
-                    f"{s['start']['reward']:>8.3f}"
-                    f"{s['end']['reward']:>8.3f}{f(s['gain']['reward']):>8}{f(s['gain_vs_control']['reward']):>9}"
-                    f"{f(s['reward_gain_vs_control_per_gpu_second'], '+.2e'):>10}"
-                    f"{f(s['start']['exact_match'], '.3f'):>12}{f(s['end']['exact_match'], '.3f'):>10}"
-                    f"{f(s['gain_vs_control']['exact_match']):>14}")
-    return "\n".join(rows)
+
+def targets(per_algo: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Issue 28's targets per trained algorithm: mean gain over the control >= 0.05 (DiffusionNFT: >= 0.15) and
+    >= 3 standard errors over seeds."""
+    out = {}
+    for name, s in per_algo.items():
+        if name == "control":
+            continue
+        g = s["gain_vs_control"]
+        need = 0.15 if name == "nft" else 0.05
+        met = None if g["mean"] is None else (g["mean"] >= need and g["se"] is not None and g["mean"] >= 3 * g["se"])
+        out[name] = {"needed_gain": need, "met": met}
+    return out
+
+
+def _pm(stat: Mapping[str, Any] | None, spec: str = ".3f", sign: str = "") -> str:
+    if not stat or stat.get("mean") is None:
+        return "-"
+    return f"{stat['mean']:{sign}{spec}} ± {stat['std']:{spec}}"
+
+
+def _ratio_text(r: Mapping[str, Any]) -> str:
+    if r["ratio"] is not None:
+        return f"{r['ratio']:.2f}x ± {r['std']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
+    if r["lower_bound"] is not None:
+        return f"> {r['lower_bound']:.2f}x"
+    return "-"
+
+
+def table_rows(per_algo: Mapping[str, Mapping[str, Any]], eff: Mapping[str, Mapping[str, Any]],
+               labels: Mapping[str, str], settings: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+    """The summary table as rows of cells (header first), shared by the console and the markdown file."""
+    head = ["algorithm", "seeds", "samples/update", "lr", "steps", "GPU-s", "held-out end", "gain vs control",
+            "exact end", *[f"GPU-s to +{g:g}" for g in GAINS], *[f"NFT efficiency @+{g:g}" for g in GAINS]]
+    rows = [head]
+    for name, s in per_algo.items():
+        st = settings[name]
+        times = []
+        for g in GAINS:
+            t = s["gpu_seconds_to_gain"][f"{g:g}"]
+            times.append("not reached" if t["mean"] is None else f"{_pm(t, '.1f')} ({t['reached']})")
+        ratios = [("-" if name not in eff else _ratio_text(eff[name][f"{g:g}"])) for g in GAINS]
+        gain = _pm(s["gain_vs_control"], ".3f", "+")
+        if s["gain_vs_control"].get("se") is not None:
+            gain += f" (se {s['gain_vs_control']['se']:.3f})"
+        rows.append([labels[name], str(s["seeds"]), str(st["samples_per_update"]), f"{float(st['lr']):g}",
+                     str(st["steps"]), _pm(s["end_gpu_seconds"], ".1f"), _pm(s["end_reward"]), gain,
+                     _pm(s["end_exact_match"]), *times, *ratios])
+    return rows
+
+
+def console_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def markdown_table(rows: Sequence[Sequence[str]]) -> str:
+    return "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
+                      *("| " + " | ".join(r) + " |" for r in rows[1:])])
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pictures
 # ----------------------------------------------------------------------------------------------------------------
 
-def plot_curves(records: Mapping[str, RunRecord], labels: Mapping[str, str], path: str, title: str) -> None:
-    """Held-out reward and exact-match accuracy against GPU-seconds, one line per run (PNG)."""
+def plot_bands(curves: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], labels: Mapping[str, str], path: str,
+               title: str) -> None:
+    """Held-out reward and exact match against GPU-seconds: per algorithm one band, mean +- std over its seeds'
+    curves (band), the control dashed (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, rec in records.items():
-        xs = [p["gpu_seconds"] for p in rec.curve]
-        style = dict(marker="o", markersize=3, label=labels[name], linestyle="--" if name == "control" else "-")
-        axes[0].plot(xs, [p["reward"] for p in rec.curve], **style)
-        pts = [(x, p["exact_match"]) for x, p in zip(xs, rec.curve) if p["exact_match"] is not None]
-        if pts:
-            axes[1].plot(*zip(*pts), **style)
-    for ax, what in zip(axes, ("held-out OCR reward (rapidocr, mean@1)", "held-out exact-match accuracy")):
+    for ax, key, what in ((axes[0], "reward", "held-out OCR reward (rapidocr, mean@1)"),
+                          (axes[1], "exact_match", "held-out exact-match accuracy")):
+        for name, seeds in curves.items():
+            pts = [[(p["gpu_seconds"], p[key]) for p in c if p[key] is not None] for c in seeds]
+            pts = [c for c in pts if c]
+            if not pts:
+                continue
+            xs, mean, std = band(pts)
+            line, = ax.plot(xs, mean, marker="o", markersize=3, linestyle="--" if name == "control" else "-",
+                            label=f"{labels[name]} (n={len(pts)})")
+            ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=line.get_color(), alpha=0.2)
         ax.set_xlabel("GPU-seconds of training (validation excluded)")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
@@ -458,97 +814,80 @@ def compose_grids(records: Mapping[str, RunRecord], labels: Mapping[str, str], p
 # ----------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__ + "\nScaling: " + SCALING,
+    epilog = "Why each setting is what it is:\n" + "\n".join(f"  {k}: {v}" for k, v in WHY.items()) + \
+        f"\n  start point: {START_POINT}\n  GPU-seconds: {GPU_SECONDS}"
+    p = argparse.ArgumentParser(description=__doc__, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=os.environ.get("MODEL_PATH"),
                    help="pipeline folder (the small pretrained Qwen-Image layout); default $MODEL_PATH")
     p.add_argument("--train_files", help="RL prompts (verl-omni parquet, data_source 'ocr', train templates)")
-    p.add_argument("--val_files", help="held-out prompts (data_source 'ocr', templates not in --train_files)")
-    p.add_argument("--out_dir", default="outputs/bench_learning",
-                   help="where the JSON, the plot, the grids and the log go")
-    p.add_argument("--work_dir", default=None, help="the runs' output dirs (default <out_dir>/runs); each run's "
-                                                    "folder is deleted and rewritten")
-    p.add_argument("--budget_s", type=float, default=60.0,
-                   help="per run: the trainers' --max_wall_time_s (stop at the first step boundary after this)")
-    p.add_argument("--steps", type=int, default=None, help="per run: this many steps instead of --budget_s")
-    p.add_argument("--algorithms", default="control,nft,dppo,grpo",
-                   help=f"comma-separated subset of {list(ALGORITHMS)} (run in this order; the control first, so a "
-                        "session cut short still has the floor to compare against)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="trainer device; its rollout worker shares it (cuda:0 or cpu)")
+    p.add_argument("--val_files", help="held-out prompts (data_source 'ocr', templates not in --train_files); "
+                                       "every row is evaluated")
+    p.add_argument("--out_dir", default="outputs/bench_learning", help="where the JSON, plot, table and log go")
+    p.add_argument("--work_dir", default=None, help="the runs' output dirs (default <out_dir>/runs)")
+    p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS,
+                   help=f"comma-separated subset of {list(ALGORITHMS)}; the control runs first, once")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="runs per trained algorithm, trainer seeds 42, 43, ... (default 3; 1 with --smoke)")
+    p.add_argument("--budget_s", type=float, default=None,
+                   help="GPU-seconds of training per run; each algorithm runs the steps that fill it at its "
+                        "calibrated step time (default 120: Flow-DPPO at 256 per update reached +0.07 in 42 "
+                        "GPU-s and +0.1 in 112 on 2026-12-04)")
+    p.add_argument("--steps", type=int, default=None, help="this many steps per run instead of --budget_s")
+    p.add_argument("--evals", type=int, default=6,
+                   help="held-out evaluations after step 0 per run (every ceil(steps / evals) steps, the last "
+                        "step always): the points of the curve that time-to-gain interpolates")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every algorithm's prompts per step by this (the same factor for all)")
+    p.add_argument("--concurrent", type=int, default=1,
+                   help="trainers sharing the GPU at a time; > 1 takes GPU-seconds from solo calibration runs")
+    p.add_argument("--calibration_steps", type=int, default=4,
+                   help="steps of each algorithm's solo calibration run (needed for --budget_s or --concurrent > 1)")
     p.add_argument("--ocr_workers", type=int, default=max(1, min(16, (os.cpu_count() or 1) - 2)),
-                   help="RapidOCR engine processes per trainer (--rapidocr_workers); default: cores - 2, <= 16")
+                   help="RapidOCR processes in all, split over the concurrent trainers; default cores - 2, <= 16")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="[ALGO.]KEY=VALUE",
-                   help="change a trainer flag of every run (KEY=VALUE) or of one (e.g. nft.mix_beta=0.5); applied "
-                        "after the budget, so control.max_wall_time_s=20 shortens only the control")
-    p.add_argument("--timeout_s", type=float, default=None,
-                   help="kill a run after this long (default 3 x budget + 600 s, or 1800 s with --steps)")
+                   help="change a trainer flag of every run (KEY=VALUE) or of one algorithm (e.g. "
+                        "grpo.clip_ratio=1e-4, grpo.noise_level=0.7, lr=1e-3); applied last")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse runs (and calibrations) in --work_dir that finished with the same trainer flags")
+    p.add_argument("--max_runtime_s", type=float, default=None,
+                   help="start no run after this many seconds of the bench (a later --resume call continues); "
+                        "the report then says complete: false and the bench exits 3")
+    p.add_argument("--timeout_s", type=float, default=1800.0, help="kill a run after this long (wall)")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU smoke run: tiny Qwen-Image, 64^2, 2 steps each, rapidocr in-process, built-in prompts "
+                   help="CPU smoke run: tiny Qwen-Image, 64^2, 2 steps, 1 prompt x 2 samples, built-in prompts "
                         "(no learning expected; checks the whole path)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.algorithms.split(",") if n.strip()]
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown or not names:
         p.error(f"--algorithms {args.algorithms!r}: unknown {unknown}; known {list(ALGORITHMS)}")
-    args.names = names
-    if args.smoke and args.steps is None:
+    args.names = ["control"] * ("control" in names) + [n for n in dict.fromkeys(names) if n != "control"]
+    if args.seeds is None:
+        args.seeds = 1 if args.smoke else 3
+    if args.smoke and args.steps is None and args.budget_s is None:
         args.steps = 2
+    if args.budget_s is None:
+        args.budget_s = 120.0
+    if args.seeds < 1 or args.concurrent < 1 or args.calibration_steps < 1 or args.evals < 1 or args.scale <= 0:
+        p.error("--seeds, --concurrent, --calibration_steps and --evals must be >= 1, --scale > 0")
     if not args.smoke and not (args.model_path and args.train_files and args.val_files):
         p.error("--model_path, --train_files and --val_files are required (or --smoke)")
     return args
 
 
-def write_report(records: Mapping[str, RunRecord], runs: dict[str, dict[str, Any]], labels: Mapping[str, str],
-                 header: Mapping[str, Any], out_dir: str, title: str, say=print) -> dict[str, Any]:
-    """Summarize finished runs (`records` from read_run, `runs` their per-run JSON entries, updated in place) and
-    write the JSON, the plot and the grids into `out_dir`; prints the table and the verdict through `say`.
-    Returns the JSON document."""
-    summary = summarize_runs(records)
-    for name, s in summary.items():
-        runs[name].update(s)
-    result = verdict(summary, labels)
-    doc = {**header, "runs": runs, "result": result, "files": dict(FILES)}
-    plot_curves(records, labels, os.path.join(out_dir, FILES["plot"]), title)
-    compose_grids(records, labels, os.path.join(out_dir, FILES["grids"]))
-    tmp = os.path.join(out_dir, FILES["json"] + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_finite(doc), f, indent=2, allow_nan=False, default=str)
-    os.replace(tmp, os.path.join(out_dir, FILES["json"]))
-    say("\n" + table(summary, records, labels))
-    say(result["statement"])
-    if "papers" in result:
-        say(result["papers"])
-    say(f"wrote {', '.join(os.path.join(out_dir, v) for v in FILES.values())}")
-    return doc
-
-
-def run_entry(algo: Algorithm, flags: Mapping[str, Any], argv: Sequence[str], rec: RunRecord, wall_s: float,
-              run_dir: str) -> dict[str, Any]:
-    """One run's JSON entry before the summary (settings, command, steps, GPU-seconds, curves, timings)."""
-    meta_path = os.path.join(run_dir, "run_metadata.json")
-    meta = json.load(open(meta_path, encoding="utf-8")) if os.path.isfile(meta_path) else {}
-    return {
-        "algorithm": algo.label, "script": algo.script, "recipe": algo.recipe, "settings": dict(flags),
-        "command": ["torchrun", "--nproc_per_node", "1", algo.script, *argv],
-        "steps": rec.steps, "gpu_seconds": rec.gpu_seconds, "wall_seconds": wall_s,
-        "validation_seconds": rec.timing_s.get("testing"), "timing_s": rec.timing_s,
-        "final_step_validated": rec.final_step_validated, "curve": rec.curve, "train_curve": rec.train_curve,
-        "grid_steps": {k: v[0] for k, v in rec.grids.items()}, "git_commit": meta.get("git_commit"),
-        "versions": meta.get("versions"),
-    }
-
-
 def main(argv=None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON document it wrote."""
+    args = parse_args(argv)
     import torch
 
-    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_learning: no CUDA GPU here; the benchmark needs one (--smoke runs the CPU path)")
     os.makedirs(args.out_dir, exist_ok=True)
     work_dir = args.work_dir or os.path.join(args.out_dir, "runs")
     os.makedirs(work_dir, exist_ok=True)
     log_path = os.path.join(args.out_dir, FILES["log"])
-    open(log_path, "w").close()
+    open(log_path, "a").close()
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -556,11 +895,9 @@ def main(argv=None) -> dict[str, Any]:
             log.write(text + "\n")
 
     overrides = parse_overrides(args.overrides, list(ALGORITHMS))
-    common = dict(COMMON)
-    device = "cpu" if args.smoke else ("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                                       ("cpu" if args.device == "auto" else args.device))
-    common.update(device=device, rollout_devices="cuda:0" if device == "cuda" else "cpu",
-                  rapidocr_workers=args.ocr_workers, **({"rollout_threads": 1} if device == "cpu" else {}))
+    device = "cpu" if args.smoke else "cuda"
+    common = dict(COMMON, device=device, rollout_devices="cuda:0" if device == "cuda" else "cpu",
+                  rapidocr_workers=max(1, args.ocr_workers // args.concurrent))
     if args.smoke:
         common.update(SMOKE)
         model_path = args.model_path or tiny_qwen_image()
@@ -571,71 +908,185 @@ def main(argv=None) -> dict[str, Any]:
     else:
         model_path, train_files, val_files = args.model_path, args.train_files, args.val_files
     check_inputs(model_path, train_files, val_files)
-    budget_s = None if args.steps is not None else args.budget_s
-    if budget_s is not None:
-        require_flag(sorted({ALGORITHMS[n].script for n in args.names}), "--max_wall_time_s")
-    timeout_s = args.timeout_s or (1800.0 if budget_s is None else 3 * budget_s + 600)
-
-    labels = {n: ALGORITHMS[n].label for n in args.names}
+    common.update(model_path=model_path, train_files=train_files, val_files=val_files)
+    algos = {n: ALGORITHMS[n] for n in args.names}
+    if args.smoke:
+        algos = {n: Algorithm(a.name, a.label, a.script, SMOKE_PROMPTS, dict(a.flags, **SMOKE_ALGO[a.script]),
+                              a.recipe) for n, a in algos.items()}
+    labels = {n: a.label for n, a in algos.items()}
+    shared = args.concurrent > 1
     header = {
-        "benchmark": "bench_learning", "schema_version": 1,
+        "benchmark": "bench_learning", "schema_version": 2,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "argv": sys.argv[1:] if argv is None else list(argv), "smoke": args.smoke, "model_path": model_path,
-        "train_files": train_files, "val_files": val_files, "device": device,
-        "budget": ({"mode": "steps", "total_training_steps": args.steps} if budget_s is None else
-                   {"mode": "max_wall_time_s", "max_wall_time_s": budget_s}),
-        "gpu_seconds_definition": GPU_SECONDS, "control": CONTROL_WHY, "scaling": SCALING,
-        "held_out": {"reward_key": REWARD_KEY, "exact_match_key": EXACT_KEY,
-                     "exact_match_definition": "rewards.ocr_exact_match: the whole transcription equals the target "
-                                               "after removing whitespace and lowercasing",
-                     **{k: common[k] for k in ("val_max_samples", "val_num_inference_steps", "val_seed",
-                                               "test_freq")}},
+        "train_files": train_files, "val_files": val_files, "device": device, "seeds": args.seeds,
+        "concurrent": args.concurrent, "scale": args.scale,
+        "budget": ({"mode": "steps", "steps": args.steps} if args.steps is not None else
+                   {"mode": "gpu_seconds", "budget_s": args.budget_s, "evals": args.evals}),
+        "gpu_seconds_source": ("solo calibration runs (the runs shared the GPU: --concurrent "
+                               f"{args.concurrent})" if shared else "each run's own step times (one run at a time)"),
+        "gpu_seconds_definition": GPU_SECONDS, "control": CONTROL_WHY, "start_point_definition": START_POINT,
+        "why": WHY, "gains": list(GAINS),
     }
-    title = (f"bench_learning: {', '.join(labels.values())}; "
-             + (f"{args.steps} steps each" if budget_s is None else f"{budget_s:g} s budget each"))
+    title = (f"bench_learning: {', '.join(labels.values())}; {args.seeds} seed(s); "
+             + (f"{args.steps} steps" if args.steps is not None else f"{args.budget_s:g} GPU-s") + " per run")
 
-    records: dict[str, RunRecord] = {}
-    runs: dict[str, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    for name in args.names:
-        algo = ALGORITHMS[name]
-        if args.smoke:
-            algo = Algorithm(algo.name, algo.label, algo.script, dict(algo.flags, **SMOKE_ALGO[algo.script]),
-                             algo.recipe)
-        flags = run_flags(algo, common, overrides, budget_s=budget_s, steps=args.steps)
-        run_dir = os.path.join(work_dir, name)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        flags.update(model_path=model_path, train_files=train_files, val_files=val_files, output_dir=run_dir)
-        trainer_argv = to_argv(flags)
-        say(f"== {name} ({algo.label}): {algo.script} {' '.join(trainer_argv)}")
-        start = time.perf_counter()
-        try:  # a failed run is reported and the others still run (one GPU session may be all there is)
-            run_trainer(algo.script, trainer_argv, nproc=1, timeout_s=timeout_s, log_path=log_path)
-            rec = read_run(run_dir)
-        except (AssertionError, TimeoutError, RuntimeError) as error:
-            failed[name] = str(error)[-4000:]
-            runs[name] = {"algorithm": algo.label, "script": algo.script, "settings": flags, "error": failed[name]}
-            say(f"   {name} FAILED: {str(error)[-1500:]}")
-            continue
-        wall = time.perf_counter() - start
-        records[name] = rec
-        runs[name] = run_entry(algo, flags, trainer_argv, rec, wall, run_dir)
-        pending = args.names[args.names.index(name) + 1:]
-        if pending:  # a report after every run: a session cut short still leaves the JSON and the pictures
-            write_report(records, runs, {n: labels[n] for n in records}, {**header, "complete": False,
-                         "pending": pending}, args.out_dir, title, say=lambda _: None)
-        last = rec.curve[-1]
-        say(f"   {name}: {rec.steps} steps, {rec.gpu_seconds:.1f} GPU-s, {wall:.1f} s wall; held-out reward "
-            f"{rec.curve[0]['reward']:.3f} -> {last['reward']:.3f} (step {last['step']})"
-            + ("" if rec.final_step_validated else f"; the last step ({rec.steps}) was not validated"))
+    state: dict[str, Any] = {"records": {}, "runs": {}, "failed": {}, "calibration": {}, "settings": {}}
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    deadline = None if args.max_runtime_s is None else time.monotonic() + args.max_runtime_s
+    try:
+        # 1. solo calibrations: each algorithm's step time at its own settings, alone on the GPU
+        need_calibration = args.steps is None or shared
+        base = {n: run_flags(a, common, overrides, steps=1, test_freq=1, scale=args.scale)
+                for n, a in algos.items()}
+        if need_calibration:
+            def calibrated(job, proc, wall, error):
+                if error:
+                    raise RuntimeError(f"calibration {job.name} failed ({error[-2000:]})")
+                rec = read_run(job.run_dir, need_validation=False)
+                state["calibration"][job.algo.name] = {"step_times": rec.step_times,
+                                                       "t_first_t_rest": calibration_times(rec.step_times),
+                                                       "steps": rec.steps}
+            say(f"== calibrating {', '.join(algos)}: {args.calibration_steps} solo steps each, no validation")
+            run_jobs([Job(f"calibrate_{n}", a, calibration_flags(base[n], args.calibration_steps),
+                          os.path.join(work_dir, f"calibrate_{n}"), kind="calibration") for n, a in algos.items()],
+                     1, timeout_s=args.timeout_s, say=say, on_done=calibrated, resume=args.resume)
+            for n, c in state["calibration"].items():
+                say(f"   {n}: step 1 {c['t_first_t_rest'][0]:.2f} s, then {c['t_first_t_rest'][1]:.2f} s/step")
+        # 2. the runs: control once, then seed after seed of every trained algorithm
+        jobs = []
+        for n, a in algos.items():
+            if args.steps is not None:
+                steps, every = args.steps, max(1, math.ceil(args.steps / args.evals))
+            else:
+                steps, every = steps_for_budget(args.budget_s, *state["calibration"][n]["t_first_t_rest"],
+                                                args.evals)
+            flags = dict(base[n], total_training_steps=steps, test_freq=every)
+            flags.update({k: v for k, v in overrides.get("*", {}).items() if k in ("total_training_steps",
+                                                                                   "test_freq")})
+            flags.update({k: v for k, v in overrides.get(n, {}).items() if k in ("total_training_steps",
+                                                                                 "test_freq")})
+            state["settings"][n] = {"samples_per_update": int(flags["ppo_mini_batch_size"]) * int(flags["rollout_n"]),
+                                    "lr": flags["lr"], "steps": flags["total_training_steps"],
+                                    "test_freq": flags["test_freq"]}
+            for k in range(1 if n == "control" else args.seeds):
+                name = "control" if n == "control" else f"{n}_s{k}"
+                jobs.append((k, Job(name, a, dict(flags, seed=int(flags["seed"]) + k),
+                                    os.path.join(work_dir, name), seed_index=k,
+                                    calibration=state["calibration"].get(n, {}).get("t_first_t_rest"))))
+        jobs = [j for _, j in sorted(jobs, key=lambda kj: (kj[1].algo.name != "control", kj[0]))]
+        state["names"] = [j.name for j in jobs]
 
-    if not records:
-        raise SystemExit(f"every run failed ({', '.join(failed)}); see {log_path}")
-    doc = write_report(records, runs, {n: labels[n] for n in records}, {**header, "complete": True},
-                       args.out_dir, title, say=say)
-    if failed:
-        raise SystemExit(f"runs {', '.join(failed)} failed (their errors are in {FILES['json']} and {log_path}); "
-                         f"the report covers {', '.join(records)}")
+        def finished(job, proc, wall, error):
+            if error:
+                state["failed"][job.name] = error[-4000:]
+                state["runs"][job.name] = {"algorithm": job.algo.name, "label": job.algo.label,
+                                           "settings": job.flags, "error": state["failed"][job.name]}
+                say(f"   {job.name} FAILED: {error[-1500:]}")
+            else:
+                rec = read_run(job.run_dir, calibration=job.calibration if shared else None)
+                state["records"][job.name] = rec
+                state["runs"][job.name] = run_entry(job, rec, wall, shared)
+                last = rec.curve[-1]
+                say(f"   {job.name}: {rec.steps} steps, {rec.gpu_seconds:.1f} GPU-s, {wall:.1f} s wall; held-out "
+                    f"{rec.curve[0]['reward']:.3f} -> {last['reward']:.3f}"
+                    + ("" if last["reward_se"] is None else f" (se {last['reward_se']:.3f}, n {last['n']})"))
+                with open(job.run_dir + ".console.log", encoding="utf-8", errors="replace") as f, \
+                        open(log_path, "a", encoding="utf-8") as log:
+                    log.write(f.read())
+            write_report(state, jobs, labels, header, args.out_dir, title, complete=False, say=lambda _: None)
+
+        left = run_jobs(jobs, args.concurrent, timeout_s=args.timeout_s, say=say, on_done=finished,
+                        resume=args.resume, stop_launching_at=deadline)
+    except Interrupted as why:
+        stopped = stop_all()
+        say(f"bench_learning: interrupted ({why}); stopped {len(stopped)} running trainer(s); the report covers the "
+            "finished runs")
+        raise SystemExit(130)
+    finally:
+        stop_all()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if not state["records"] and not left:
+        raise SystemExit(f"every run failed ({', '.join(state['failed'])}); see {log_path}")
+    doc = write_report(state, jobs, labels, header, args.out_dir, title, complete=not left, say=say)
+    if left:
+        say(f"incomplete: {len(left)} run(s) not started before --max_runtime_s ({', '.join(j.name for j in left)}); "
+            "run the same command with --resume to continue")
+        raise SystemExit(3)
+    if state["failed"]:
+        raise SystemExit(f"runs {', '.join(state['failed'])} failed (their errors are in {FILES['json']} and "
+                         f"{log_path}); the report covers {', '.join(state['records'])}")
+    return doc
+
+
+def run_entry(job: Job, rec: RunRecord, wall_s: float, shared: bool) -> dict[str, Any]:
+    """One run's JSON entry before the summary (settings, command, steps, GPU-seconds and their source, curves)."""
+    meta_path = os.path.join(job.run_dir, "run_metadata.json")
+    meta = json.load(open(meta_path, encoding="utf-8")) if os.path.isfile(meta_path) else {}
+    return {
+        "algorithm": job.algo.name, "label": job.algo.label, "seed_index": job.seed_index,
+        "script": job.algo.script, "recipe": job.algo.recipe, "settings": dict(job.flags),
+        "command": ["torchrun", "--nproc_per_node", "1", job.algo.script, *job.argv],
+        "steps": rec.steps, "gpu_seconds": rec.gpu_seconds, "wall_seconds": wall_s,
+        "gpu_seconds_source": ("solo calibration (t_first, t_rest) = " + str(list(job.calibration))
+                               if shared else "own step times (solo)"),
+        "own_step_seconds": sum(rec.step_times), "timing_s": rec.timing_s, "curve": rec.curve,
+        "train_curve": rec.train_curve, "grid_steps": {k: v[0] for k, v in rec.grids.items()},
+        "git_commit": meta.get("git_commit"), "versions": meta.get("versions"),
+    }
+
+
+def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[str, str],
+                 header: Mapping[str, Any], out_dir: str, title: str, *, complete: bool,
+                 say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Summarize the finished runs (state["records"], their entries in state["runs"], updated in place) and write
+    the JSON, the band plot, the markdown table and the grids into `out_dir`; prints the table through `say`.
+    Returns the JSON document."""
+    records, runs = state["records"], state["runs"]
+    by_algo: dict[str, list[str]] = {}
+    for job in jobs:
+        if job.name in records:
+            by_algo.setdefault(job.algo.name, []).append(job.name)
+    control = records.get("control")
+    for name, rec in records.items():
+        runs[name].update(summarize_run(rec, control))
+    per_algo = {a: summarize_algorithm([runs[n] for n in names]) for a, names in by_algo.items()}
+    ends = {a: [runs[n]["end"]["gpu_seconds"] for n in names] for a, names in by_algo.items()}
+    eff = efficiency(per_algo, ends)
+    rows = table_rows(per_algo, eff, labels, state["settings"])
+    start = control.curve[0] if control else None
+    doc = {**header, "complete": complete, "pending": [j.name for j in jobs if j.name not in runs],
+           "calibration": state["calibration"], "settings": state["settings"],
+           "start_point": None if start is None else {k: start[k] for k in ("reward", "reward_se", "n",
+                                                                            "exact_match")},
+           "algorithms": per_algo, "efficiency_nft_over": eff, "targets": targets(per_algo), "runs": runs,
+           "table": rows, "files": dict(FILES)}
+    curves = {a: [records[n].curve for n in names] for a, names in by_algo.items()}
+    plot_bands(curves, {a: labels[a] for a in curves}, os.path.join(out_dir, FILES["plot"]), title)
+    firsts = {a: records[names[0]] for a, names in by_algo.items() if records[names[0]].grids}
+    if firsts:
+        compose_grids(firsts, labels, os.path.join(out_dir, FILES["grids"]))
+    start_line = ("start point: -" if start is None else
+                  f"start point (the control's step-0 evaluation): reward {start['reward']:.3f}"
+                  + ("" if start["reward_se"] is None else f" ± {start['reward_se']:.3f} (se, n {start['n']})")
+                  + ("" if start["exact_match"] is None else f", exact match {start['exact_match']:.3f}"))
+    markdown = "\n\n".join([
+        f"# {title}", f"Created {header['created']}; {'complete' if complete else 'INCOMPLETE'}; GPU-seconds from "
+        f"{header['gpu_seconds_source']}.", start_line, markdown_table(rows),
+        "Gain vs control: mean ± std over seeds of (end - start) - the control's (end - start), se = std / sqrt(n). "
+        "GPU-s to +g: over the seeds that reached start + g (interpolated between evaluations), k/n reached. NFT "
+        "efficiency: the other's GPU-seconds to the gain / DiffusionNFT's (ratio of seed means ± delta-method "
+        "std [min-max over seed pairs]; '> x' when the other never reached it).",
+        "Command: `python3 scripts/bench_learning.py " + " ".join(header["argv"]) + "`"]) + "\n"
+    with open(os.path.join(out_dir, FILES["markdown"]), "w", encoding="utf-8") as f:
+        f.write(markdown)
+    tmp = os.path.join(out_dir, FILES["json"] + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_finite(doc), f, indent=2, allow_nan=False, default=str)
+    os.replace(tmp, os.path.join(out_dir, FILES["json"]))
+    say("\n" + start_line + "\n" + console_table(rows))
+    say(f"wrote {', '.join(os.path.join(out_dir, v) for k, v in FILES.items() if k != 'log')}")
     return doc
 
 

@@ -1666,7 +1666,8 @@ def ship_readme(info: dict[str, Any], ship_dir: Path) -> str:
              f"- VAE: {info['vae']['steps']} steps, {info['vae']['seconds']:.0f} s; transformer: "
              f"{info['transformer']['steps']} steps, {info['transformer']['images']} images, "
              f"{info['transformer']['train_seconds']:.0f} s of training; {info['total_pretraining_s']:.0f} s in all",
-             "", "Measured start point (held-out templates and seeds, rapidocr reward):", ""]
+             "", "Pretraining's own held-out evaluation (held-out templates, its seeds, rapidocr reward; the RL "
+             "start point is the learning benchmark's evaluation, docs/LEARNING.md):", ""]
     for steps, m in info["start_point"].items():
         lines.append(f"- {steps} steps: mean {m['mean']:.3f}, exact {m['exact']:.3f}, within-prompt std "
                      f"{m['within_std']:.3f} ({m['n_prompts']} prompts x {m['n_seeds']} seeds)")

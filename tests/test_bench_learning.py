@@ -1,20 +1,26 @@
-"""scripts/bench_learning.py: the trainer flags it builds (parsed by the trainers' own parsers), the curves it reads
-back from TensorBoard against GPU-seconds, the summary / verdict arithmetic, the JSON, plot and grid files, and
-(slow) the CPU smoke run of all four trainers end to end."""
+"""scripts/bench_learning.py: the math (standard error, time to a gain, DiffusionNFT's efficiency ratio with its
+spread, the bands, the calibrated GPU-seconds and step budget), each against values computed by hand; the fair
+default flags (parsed by the trainers' own parsers); reading runs back; the summary, JSON, markdown and plots; the
+scheduler's bookkeeping (calibration, concurrency, resume, the run-time limit, failures) with a fake launcher; the
+refusal without a GPU; stopping every child on SIGTERM; and (slow) the CPU smoke run end to end."""
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import signal
+import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import bench_learning as B
-from trainer_runs import REPO, scalars
+from trainer_runs import REPO
 
 # one pytest-xdist worker runs this module (pytest.ini: --dist loadgroup): its module fixtures are costly
 pytestmark = pytest.mark.xdist_group("test_bench_learning")
@@ -34,71 +40,270 @@ def assert_png(path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Flags
+# The math, against values computed independently (by hand or with the statistics module)
 # ------------------------------------------------------------------------------------------------------------------
 
-def test_run_flags_budget_steps_overrides_and_pinned_control_lr():
-    overrides = B.parse_overrides(["lr=3e-4", "nft.mix_beta=0.5", "dppo.noise_level=0.9"], list(B.ALGORITHMS))
-    nft = B.run_flags(B.ALGORITHMS["nft"], B.COMMON, overrides, budget_s=45, steps=None)
-    assert nft["lr"] == "3e-4" and nft["mix_beta"] == "0.5" and nft["max_wall_time_s"] == 45.0
-    assert nft["total_training_steps"] >= 10**5 and "loss" not in nft
-    control = B.run_flags(B.ALGORITHMS["control"], B.COMMON, overrides, budget_s=None, steps=3)
-    assert control["lr"] == 0.0 and control["total_training_steps"] == 3 and "max_wall_time_s" not in control
-    assert control["noise_level"] == B.DPPO_FLAGS["noise_level"]  # dppo.* overrides stay with dppo
-    short = B.run_flags(B.ALGORITHMS["control"], B.COMMON, B.parse_overrides(["control.max_wall_time_s=20"],
-                                                                             list(B.ALGORITHMS)), budget_s=45,
-                        steps=None)
-    assert short["max_wall_time_s"] == "20" and nft["max_wall_time_s"] == 45.0
-    grpo = B.run_flags(B.ALGORITHMS["grpo"], B.COMMON, {}, budget_s=None, steps=2)
-    assert grpo["loss"] == "flow_grpo" and grpo["clip_ratio"] == 1e-5
-    argv = B.to_argv(dict(a=1, flag=True, off=False, gone=None, named="none"))
-    assert argv == ["--a", "1", "--flag"]
+def test_mean_std_and_standard_error():
+    values = [0.2, 0.5, 0.4, 0.9]
+    mean, std = B.mean_std(values)
+    assert mean == pytest.approx(statistics.mean(values)) and std == pytest.approx(statistics.stdev(values))
+    assert B.standard_error(values) == pytest.approx(statistics.stdev(values) / 2.0)
+    assert B.standard_error([1.0, 2.0, 3.0, 4.0]) == pytest.approx(math.sqrt(5 / 3) / 2)  # 0.6455
+    assert B.mean_std([0.7]) == (0.7, 0.0) and B.mean_std([]) == (None, None)
+    assert B.standard_error([0.7]) is None and B.standard_error([]) is None
+
+
+def test_time_to_gain_interpolates_or_takes_the_first_evaluation_past_it():
+    curve = [(0.0, 0.40), (10.0, 0.42), (20.0, 0.50), (30.0, 0.47), (40.0, 0.60)]
+    assert B.time_to_gain(curve, 0.05) == pytest.approx(10 + 0.03 / 0.08 * 10)      # 13.75
+    assert B.time_to_gain(curve, 0.05, interpolate=False) == 20.0
+    assert B.time_to_gain(curve, 0.10) == pytest.approx(20.0)                       # exactly at an evaluation
+    assert B.time_to_gain(curve, 0.15) == pytest.approx(30 + (0.55 - 0.47) / 0.13 * 10)  # after a dip
+    assert B.time_to_gain(curve, 0.25) is None                                      # not reached
+    assert B.time_to_gain([(0.0, 0.4), (5.0, 0.3)], 0.05) is None
+
+
+def test_efficiency_ratio_with_its_spread_and_bounds():
+    r = B.efficiency_ratio([10.0, 20.0], [30.0, 50.0, 40.0])
+    # mean 40 / mean 15; delta method with cv_nft = 7.0711 / 15, cv_other = 10 / 40; pairs 30/20 .. 50/10
+    assert r["ratio"] == pytest.approx(40 / 15)
+    assert r["std"] == pytest.approx(40 / 15 * math.sqrt((math.sqrt(50) / 15) ** 2 + (10 / 40) ** 2))  # 1.4229
+    assert r["std"] == pytest.approx(1.4229, abs=1e-4)
+    assert (r["min"], r["max"]) == (pytest.approx(1.5), pytest.approx(5.0))
+    assert r["reached"] == {"nft": "2/2", "other": "3/3"} and r["lower_bound"] is None
+    partial = B.efficiency_ratio([10.0, 20.0], [30.0, None])
+    assert partial["ratio"] == pytest.approx(2.0) and partial["reached"]["other"] == "1/2"
+    never = B.efficiency_ratio([10.0, 20.0], [None, None], [100.0, 120.0])
+    assert never["ratio"] is None and never["lower_bound"] == pytest.approx(100 / 15)
+    assert B.efficiency_ratio([None], [5.0])["ratio"] is None
+    one = B.efficiency_ratio([10.0], [25.0])
+    assert one["ratio"] == pytest.approx(2.5) and one["std"] == 0.0
+
+
+def test_band_interpolates_every_curve_onto_the_common_points():
+    xs, mean, std = B.band([[(0.0, 0.0), (10.0, 1.0)], [(0.0, 0.0), (5.0, 1.0), (20.0, 2.0)]])
+    assert xs == [0.0, 5.0, 10.0]                        # cut at the shorter curve's end
+    assert mean == pytest.approx([0.0, 0.75, (1.0 + 4 / 3) / 2])
+    assert std == pytest.approx([0.0, math.sqrt(2 * 0.25 ** 2), statistics.stdev([1.0, 4 / 3])])
+    xs, mean, std = B.band([[(0.0, 0.3), (4.0, 0.5)]])
+    assert xs == [0.0, 4.0] and mean == [0.3, 0.5] and std == [0.0, 0.0]
+
+
+def test_calibration_step_budget_scale_and_eta():
+    assert B.calibration_times([3.0, 1.0, 2.0]) == (3.0, 1.5) and B.calibration_times([2.0]) == (2.0, 2.0)
+    assert [B.calibrated_gpu_seconds(s, 3.0, 1.5) for s in (0, 1, 4)] == [0.0, 3.0, 7.5]
+    assert B.steps_for_budget(120, 5.0, 3.5, 6) == (30, 6)   # 1 + floor(115 / 3.5) = 33 fit -> 5 x 6
+    assert B.steps_for_budget(10, 1.0, 1.0, 5) == (10, 2)
+    assert B.steps_for_budget(2, 5.0, 3.5, 6) == (1, 1)      # at least one step
+    assert B.steps_for_budget(12, 2.0, 1.0, 20) == (11, 1)
+    assert [B.scaled_prompts(p, s) for p, s in ((16, 1.0), (16, 0.5), (12, 0.5), (12, 0.01))] == [16, 8, 6, 1]
+    assert B.eta_seconds(3, 10, [5.0, 1.0, 2.0, 3.0]) == pytest.approx(14.0) and B.eta_seconds(3, 3, [1.0]) == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Flags: the fair defaults, parsed by the trainers' own parsers
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_fair_defaults_each_recipe_batch_one_update_per_step_one_lr():
+    flags = {n: B.run_flags(a, B.COMMON, {}, steps=10, test_freq=2) for n, a in B.ALGORITHMS.items()}
+    per_update = {n: int(f["ppo_mini_batch_size"]) * f["rollout_n"] for n, f in flags.items()}
+    assert per_update == {"control": 256, "nft": 192, "dppo": 256, "grpo": 256, "grpo_fg": 256}
+    assert all(f["train_batch_size"] == f["ppo_mini_batch_size"] for f in flags.values())   # one update per step
+    assert {n: f["lr"] for n, f in flags.items()} == {"control": 0.0, "nft": 3e-4, "dppo": 3e-4, "grpo": 3e-4,
+                                                      "grpo_fg": 3e-4}
+    assert flags["grpo"]["clip_ratio"] == 1e-5 and flags["grpo"]["noise_level"] == 1.2
+    assert flags["grpo_fg"]["clip_ratio"] == 1e-4 and flags["grpo_fg"]["noise_level"] == 0.7
+    assert flags["nft"]["val_max_samples"] == 0 and flags["nft"]["val_before_train"]        # every held-out prompt
+    half = {n: B.run_flags(a, B.COMMON, {}, steps=1, test_freq=1, scale=0.5)["train_batch_size"]
+            for n, a in B.ALGORITHMS.items()}
+    assert half == {"control": 8, "nft": 6, "dppo": 8, "grpo": 8, "grpo_fg": 8}
+    over = B.parse_overrides(["lr=1e-3", "grpo.clip_ratio=1e-4", "grpo.noise_level=0.7"], list(B.ALGORITHMS))
+    grpo = B.run_flags(B.ALGORITHMS["grpo"], B.COMMON, over, steps=1, test_freq=1)
+    dppo = B.run_flags(B.ALGORITHMS["dppo"], B.COMMON, over, steps=1, test_freq=1)
+    control = B.run_flags(B.ALGORITHMS["control"], B.COMMON, over, steps=1, test_freq=1)
+    assert (grpo["clip_ratio"], grpo["noise_level"], grpo["lr"]) == ("1e-4", "0.7", "1e-3")
+    assert dppo["noise_level"] == 1.2 and dppo["lr"] == "1e-3" and control["lr"] == 0.0
     for bad in (["lr"], ["=1"], ["nosuch.lr=1"], ["control.lr=1e-3"]):
         with pytest.raises(ValueError):
             B.parse_overrides(bad, list(B.ALGORITHMS))
-    with pytest.raises(ValueError, match="exactly one"):
-        B.run_flags(B.ALGORITHMS["nft"], B.COMMON, {}, budget_s=10, steps=2)
+    assert B.to_argv(dict(a=1, flag=True, off=False, gone=None, named="none")) == ["--a", "1", "--flag"]
+    calib = B.to_argv(B.calibration_flags(dict(flags["nft"], val_files="v.parquet"), 3))
+    assert "--val_files" not in calib and "--val_before_train" not in calib
+    assert calib[calib.index("--total_training_steps") + 1] == "3"
+
+
+def test_help_says_why():
+    text = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_learning.py"), "--help"],
+                          capture_output=True, text=True, timeout=120).stdout
+    for needed in ("cosine between two batches' gradients 0.00-0.09", "16 prompts x 16 = 256", "12 x 16 = 192",
+                   "3e-4", "--concurrent", "start point", "--seeds", "calibration"):
+        assert needed in " ".join(text.split()), needed
 
 
 @pytest.mark.parametrize("name", list(B.ALGORITHMS))
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_run_parses_with_its_trainers_own_parser(name, smoke):
-    """Each run's argv (common settings + recipe + budget) is accepted by the trainer's parse_args, with the values
-    the benchmark states; the time-budget flag is used only if the trainers have it (else main refuses clearly)."""
     import importlib
 
     algo = B.ALGORITHMS[name]
     common = {**B.COMMON, **(B.SMOKE if smoke else {}), "device": "cpu", "rollout_devices": "cpu"}
     if smoke:
-        algo = B.Algorithm(algo.name, algo.label, algo.script, dict(algo.flags, **B.SMOKE_ALGO[algo.script]), "")
+        algo = B.Algorithm(algo.name, algo.label, algo.script, B.SMOKE_PROMPTS,
+                           dict(algo.flags, **B.SMOKE_ALGO[algo.script]), "")
     trainer = importlib.import_module(algo.script[:-3])
-    flags = B.run_flags(algo, common, {}, budget_s=None, steps=2)
-    args = trainer.parse_args(B.to_argv(dict(flags, model_path="m", train_files="t.parquet")))
-    assert args.lr == (0.0 if name == "control" else common["lr"]) and args.total_training_steps == 2
+    flags = B.run_flags(algo, common, {}, steps=6, test_freq=3)
+    args = trainer.parse_args(B.to_argv(dict(flags, model_path="m", train_files="t.parquet", output_dir="o")))
+    assert args.lr == (0.0 if name == "control" else common["lr"]) and args.total_training_steps == 6
+    assert args.test_freq == 3 and args.val_max_samples == 0 or smoke
     assert args.ocr_backend == "rapidocr" and args.val_before_train and args.true_cfg_scale == 1.0
-    assert args.rollout_n == common["rollout_n"]
+    assert args.train_batch_size == args.ppo_mini_batch_size == algo.prompts
     if algo.script == "train_dppo.py":
-        assert args.loss == ("flow_grpo" if name == "grpo" else "flow_dppo") and args.noise_level == 1.2
+        assert args.loss == ("flow_dppo" if name in ("dppo", "control") else "flow_grpo")
     else:
         assert args.mix_beta == 0.1 and args.old_policy_update_interval == 2
-    has_budget = B.trainer_accepts(algo.script, "--max_wall_time_s")
-    assert B.trainer_accepts(algo.script, "--lr", "0.1") and not B.trainer_accepts(algo.script, "--no_such_flag")
-    if has_budget:
-        budget = B.run_flags(algo, common, {}, budget_s=30, steps=None)
-        assert trainer.parse_args(B.to_argv(dict(budget, model_path="m", train_files="t"))).max_wall_time_s == 30
+    calib = trainer.parse_args(B.to_argv(dict(B.calibration_flags(flags, 2), model_path="m", train_files="t")))
+    assert calib.total_training_steps == 2 and not calib.val_before_train and not calib.val_files
 
 
-def test_budget_path_needs_the_trainers_time_stop_flag(tiny_models, tmp_path):
-    """The budget path stops before any run, pointing to --steps, when a trainer lacks the stop flag."""
-    B.require_flag(["train_nft.py", "train_dppo.py"], "--lr")
-    with pytest.raises(SystemExit, match="train_dppo.py has no --mix_beta.*--steps"):
-        B.require_flag(["train_nft.py", "train_dppo.py"], "--mix_beta")
-    if not all(B.trainer_accepts(s, "--max_wall_time_s") for s in ("train_nft.py", "train_dppo.py")):
-        train, val = B.make_smoke_data(str(tmp_path / "data"))
-        with pytest.raises(SystemExit, match="--max_wall_time_s"):
-            B.main(["--model_path", os.path.join(tiny_models, "qwen_image"), "--train_files", train,
-                    "--val_files", val, "--budget_s", "5", "--out_dir", str(tmp_path / "out")])
-        assert not (tmp_path / "out" / "runs" / "nft").exists()
+# ------------------------------------------------------------------------------------------------------------------
+# Reading runs, the summary, the files (synthetic TensorBoard logs written by the trainers' own logger)
+# ------------------------------------------------------------------------------------------------------------------
+
+def fake_run(run_dir, step_times, val: dict[int, tuple[float, float]], *, grid_steps=(0,),
+             samples: dict[int, list[float]] | None = None) -> None:
+    """A run dir as the trainers leave it: perf/time_per_step per step, validation reward / exact-match at the
+    given steps, a training reward, timings, validation grids (training.logs' logger and image_grid) and the
+    per-sample validation rewards in judge_replies.jsonl (`samples`, else two samples around each mean)."""
+    from training.logs import TensorBoardLogger, image_grid
+
+    os.makedirs(run_dir, exist_ok=True)
+    logger = TensorBoardLogger(os.path.join(run_dir, "tensorboard"), enabled=True)
+    for step, t in enumerate(step_times, start=1):
+        logger.log_scalars({B.STEP_TIME_KEY: t, B.TRAIN_REWARD_KEY: 0.1 * step, "timing_s/gen": t / 2,
+                            "timing_s/reward": t / 4}, step)
+    for step, (reward, exact) in val.items():
+        logger.log_scalars({B.REWARD_KEY: reward, B.EXACT_KEY: exact, "timing_s/testing": 1.5}, step)
+    for step in grid_steps:
+        shade = torch.full((2, 3, 32, 32), 40 * step % 255, dtype=torch.uint8)
+        logger.log_image(B.GRID_TAG, image_grid(shade, [f"step {step}", "b"]), step)
+    logger.close()
+    with open(os.path.join(run_dir, B.JUDGE_LOG), "w") as f:
+        for step, (reward, _) in val.items():
+            for k, r in enumerate((samples or {}).get(step, [reward - 0.1, reward + 0.1])):
+                f.write(json.dumps({"phase": "val", "step": step, "sample": k, "reward": r}) + "\n")
+            f.write(json.dumps({"phase": "train", "step": step, "sample": 0, "reward": 99.0}) + "\n")
+
+
+def test_read_run_own_or_calibrated_gpu_seconds_and_standard_errors(tmp_path):
+    fake_run(tmp_path, [2.0, 1.0, 1.0, 0.5], {0: (0.3, 0.1), 2: (0.4, 0.2), 4: (0.5, 0.25)}, grid_steps=(0, 2, 4),
+             samples={0: [0.1, 0.3, 0.5], 2: [0.4, 0.4]})
+    rec = B.read_run(str(tmp_path))
+    assert rec.steps == 4 and rec.step_times == [2.0, 1.0, 1.0, 0.5] and rec.gpu_seconds == pytest.approx(4.5)
+    assert [(p["step"], p["gpu_seconds"]) for p in rec.curve] == [(0, 0.0), (2, pytest.approx(3.0)),
+                                                                (4, pytest.approx(4.5))]
+    assert [p["reward"] for p in rec.curve] == pytest.approx([0.3, 0.4, 0.5])
+    assert [p["exact_match"] for p in rec.curve] == pytest.approx([0.1, 0.2, 0.25])
+    assert rec.curve[0]["reward_se"] == pytest.approx(statistics.stdev([0.1, 0.3, 0.5]) / math.sqrt(3))
+    assert rec.curve[0]["n"] == 3 and rec.curve[1]["reward_se"] == 0.0           # training replies ignored
+    assert rec.curve[2]["reward_se"] == pytest.approx(statistics.stdev([0.4, 0.6]) / math.sqrt(2))
+    assert rec.grids["before"][0] == 0 and rec.grids["after"][0] == 4 and rec.grids["after"][1][:8] == PNG_MAGIC
+    shared = B.read_run(str(tmp_path), calibration=(1.0, 0.5))                    # placed on the solo calibration
+    assert [p["gpu_seconds"] for p in shared.curve] == pytest.approx([0.0, 1.5, 2.5])
+    assert [p["shared_seconds"] for p in shared.curve] == pytest.approx([0.0, 3.0, 4.5])
+    assert [p["gpu_seconds"] for p in shared.train_curve] == pytest.approx([1.0, 1.5, 2.0, 2.5])
+
+
+def test_read_run_refuses_runs_without_a_start_point_or_steps(tmp_path):
+    fake_run(tmp_path / "no_start", [1.0, 1.0], {2: (0.4, 0.2)})
+    with pytest.raises(RuntimeError, match="step-0 validation"):
+        B.read_run(str(tmp_path / "no_start"))
+    assert B.read_run(str(tmp_path / "no_start"), need_validation=False).steps == 2   # a calibration run
+    fake_run(tmp_path / "no_steps", [], {0: (0.4, 0.2)})
+    with pytest.raises(RuntimeError, match="time_per_step"):
+        B.read_run(str(tmp_path / "no_steps"))
+
+
+def record(points, steps=None):
+    """A RunRecord from [(gpu_seconds, reward), ...] (steps 0, 1, 2, ...)."""
+    curve = [{"step": i, "gpu_seconds": t, "reward": r, "reward_se": 0.01, "n": 256, "exact_match": r / 2}
+             for i, (t, r) in enumerate(points)]
+    return B.RunRecord(steps=steps or len(points) - 1, step_times=[1.0] * (len(points) - 1), curve=curve,
+                       train_curve=[], timing_s={})
+
+
+def test_summary_per_algorithm_efficiency_targets_and_table():
+    control = record([(0, 0.40), (10, 0.40), (20, 0.40)])
+    nft = [record([(0, 0.40), (10, 0.50), (20, 0.60)]), record([(0, 0.40), (10, 0.46), (20, 0.56)])]
+    grpo = [record([(0, 0.40), (20, 0.44), (40, 0.48)]), record([(0, 0.40), (20, 0.42), (40, 0.44)])]
+    runs = {"control": [B.summarize_run(control, control)],
+            "nft": [B.summarize_run(r, control) for r in nft], "grpo": [B.summarize_run(r, control) for r in grpo]}
+    assert runs["nft"][0]["gain_vs_control"] == pytest.approx(0.2)
+    assert runs["nft"][0]["gpu_seconds_to_gain"] == {"0.05": pytest.approx(5.0), "0.1": pytest.approx(10.0)}
+    assert runs["nft"][1]["gpu_seconds_to_gain"] == {"0.05": pytest.approx(10 * 5 / 6),
+                                                     "0.1": pytest.approx(10 + 10 * 0.04 / 0.10)}
+    assert runs["grpo"][0]["gpu_seconds_to_gain"] == {"0.05": pytest.approx(25.0), "0.1": None}
+    assert runs["grpo"][1]["gpu_seconds_to_gain"]["0.05"] is None
+    per = {n: B.summarize_algorithm(r) for n, r in runs.items()}
+    g = per["nft"]["gain_vs_control"]
+    assert (g["mean"], g["std"], g["n"]) == (pytest.approx(0.18), pytest.approx(statistics.stdev([0.2, 0.16])), 2)
+    assert g["se"] == pytest.approx(statistics.stdev([0.2, 0.16]) / math.sqrt(2))
+    assert per["grpo"]["gpu_seconds_to_gain"]["0.05"]["reached"] == "1/2"
+    assert per["grpo"]["gpu_seconds_to_gain"]["0.1"]["mean"] is None
+    assert per["control"]["gain_vs_control"]["mean"] == 0.0
+    eff = B.efficiency(per, {"grpo": [40.0, 40.0], "nft": [20.0, 20.0], "control": [20.0]})
+    assert set(eff) == {"grpo"}
+    assert eff["grpo"]["0.05"]["ratio"] == pytest.approx(25.0 / ((5.0 + 50 / 6) / 2))
+    assert eff["grpo"]["0.1"]["ratio"] is None and eff["grpo"]["0.1"]["lower_bound"] == pytest.approx(40 / 12)
+    t = B.targets(per)
+    assert t["nft"] == {"needed_gain": 0.15, "met": True}           # 0.18 >= 0.15 and >= 3 se (se 0.02)
+    assert t["grpo"]["needed_gain"] == 0.05 and "control" not in t
+    low = B.targets({"nft": {"gain_vs_control": {"mean": 0.16, "se": 0.06}}})
+    assert low["nft"]["met"] is False                                # >= 0.15 but < 3 se
+    settings = {n: {"samples_per_update": 256, "lr": 3e-4, "steps": 2, "test_freq": 1} for n in per}
+    rows = B.table_rows(per, eff, {"control": "lr = 0 control", "nft": "DiffusionNFT", "grpo": "Flow-GRPO"},
+                        settings)
+    assert len(rows) == 4 and rows[0][0] == "algorithm"
+    text = B.console_table(rows) + "\n" + B.markdown_table(rows)
+    assert "+0.180 ± 0.028" in text and "not reached" in text and "> 3.33x" in text and "(1/2)" in text
+    assert B.markdown_table(rows).splitlines()[1].count("---") == len(rows[0])
+
+
+def test_write_report_files_and_schema(tmp_path):
+    jobs, state = [], {"records": {}, "runs": {}, "failed": {}, "calibration": {}, "settings": {}}
+    plans = {"control": (0.3, 0.3), "nft_s0": (0.3, 0.6), "nft_s1": (0.3, 0.5), "dppo_s0": (0.3, 0.4)}
+    for name, (start, end) in plans.items():
+        algo = B.ALGORITHMS[name.split("_")[0]]
+        fake_run(tmp_path / "runs" / name, [5.0] * 4, {0: (start, 0.1), 2: ((start + end) / 2, 0.2), 4: (end, 0.3)},
+                 grid_steps=(0, 4))
+        job = B.Job(name, algo, {"lr": 3e-4}, str(tmp_path / "runs" / name))
+        jobs.append(job)
+        state["records"][name] = B.read_run(job.run_dir)
+        state["runs"][name] = B.run_entry(job, state["records"][name], 30.0, False)
+        state["settings"][algo.name] = {"samples_per_update": 256, "lr": 3e-4, "steps": 4, "test_freq": 2}
+    jobs.append(B.Job("dppo_s1", B.ALGORITHMS["dppo"], {}, str(tmp_path / "runs" / "dppo_s1")))  # not run yet
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = []
+    labels = {n: a.label for n, a in B.ALGORITHMS.items()}
+    doc = B.write_report(state, jobs, labels, {"created": "now", "gpu_seconds_source": "own", "argv": ["--x"]},
+                         str(out), "t", complete=False, say=lines.append)
+    assert sorted(os.listdir(out)) == sorted(v for k, v in B.FILES.items() if k != "log")
+    loaded = json.loads((out / B.FILES["json"]).read_text())
+    assert loaded == json.loads(json.dumps(B._finite(doc))) and loaded["complete"] is False
+    assert loaded["pending"] == ["dppo_s1"] and loaded["start_point"]["reward"] == pytest.approx(0.3)
+    assert loaded["start_point"]["reward_se"] == pytest.approx(statistics.stdev([0.2, 0.4]) / math.sqrt(2))
+    assert loaded["algorithms"]["nft"]["gain_vs_control"]["mean"] == pytest.approx(0.25)
+    assert loaded["algorithms"]["nft"]["seeds"] == 2 and loaded["algorithms"]["dppo"]["seeds"] == 1
+    assert loaded["efficiency_nft_over"]["dppo"]["0.05"]["ratio"] is not None
+    for name in plans:
+        for key in ("settings", "command", "steps", "gpu_seconds", "gpu_seconds_source", "curve", "start", "end",
+                    "gain_vs_control", "gpu_seconds_to_gain"):
+            assert key in loaded["runs"][name], (name, key)
+    assert_png(out / B.FILES["plot"])
+    assert_png(out / B.FILES["grids"])
+    md = (out / B.FILES["markdown"]).read_text()
+    assert "| DiffusionNFT | 2 |" in md and "INCOMPLETE" in md and "`python3 scripts/bench_learning.py --x`" in md
+    assert "DiffusionNFT" in "\n".join(lines) and "start point" in "\n".join(lines)
 
 
 def test_inputs_are_checked_before_any_run(tiny_models, tmp_path):
@@ -117,191 +322,222 @@ def test_inputs_are_checked_before_any_run(tiny_models, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Reading runs, the summary, the files (synthetic TensorBoard logs written by the trainers' own logger)
+# main's bookkeeping with a fake launcher: calibration first and alone, concurrency, seeds, GPU-seconds from the
+# calibration, the report after every run, failures, --resume, --max_runtime_s, budget -> steps, SIGTERM
 # ------------------------------------------------------------------------------------------------------------------
 
-def fake_run(run_dir, step_times, val: dict[int, tuple[float, float]], *, grid_steps=(0,)) -> None:
-    """A run dir as the trainers leave it: perf/time_per_step per step, validation reward / exact-match at the
-    given steps, a training reward, timings and validation grids (training.logs' logger and image_grid)."""
-    from training.logs import TensorBoardLogger, image_grid
+class FakeLauncher:
+    """Stands in for B.launch: leaves a run's logs as the trainer would (calibration runs: step times 2, 1, 1 s;
+    runs: 3 s per step as if slowed by sharing, held-out reward rising by GAIN[algo] over the run) and returns a
+    real short-lived child process, registered in B.LIVE."""
+    GAIN = {"0.0": 0.0, "nft": 0.3, "dppo": 0.1}
 
-    logger = TensorBoardLogger(os.path.join(run_dir, "tensorboard"), enabled=True)
-    for step, t in enumerate(step_times, start=1):
-        logger.log_scalars({B.STEP_TIME_KEY: t, B.TRAIN_REWARD_KEY: 0.1 * step, "timing_s/gen": t / 2,
-                            "timing_s/reward": t / 4}, step)
-    for step, (reward, exact) in val.items():
-        logger.log_scalars({B.REWARD_KEY: reward, B.EXACT_KEY: exact, "timing_s/testing": 1.5}, step)
-    for step in grid_steps:
-        shade = torch.full((2, 3, 32, 32), 40 * step % 255, dtype=torch.uint8)
-        logger.log_image(B.GRID_TAG, image_grid(shade, [f"step {step}", "b"]), step)
-    logger.close()
+    def __init__(self, fail=(), sleep=0.3):
+        self.launched, self.max_live, self.fail, self.sleep = [], 0, set(fail), sleep
 
-
-def test_read_run_puts_validation_points_at_accumulated_step_time(tmp_path):
-    fake_run(tmp_path, [2.0, 1.0, 1.0, 0.5], {0: (0.3, 0.1), 2: (0.4, 0.2), 4: (0.5, 0.25)}, grid_steps=(0, 2, 4))
-    rec = B.read_run(str(tmp_path))
-    assert rec.steps == 4 and rec.gpu_seconds == pytest.approx(4.5)
-    assert [(p["step"], p["gpu_seconds"]) for p in rec.curve] == [(0, 0.0), (2, pytest.approx(3.0)),
-                                                                (4, pytest.approx(4.5))]
-    assert [p["reward"] for p in rec.curve] == pytest.approx([0.3, 0.4, 0.5])
-    assert [p["exact_match"] for p in rec.curve] == pytest.approx([0.1, 0.2, 0.25])
-    assert rec.timing_s["testing"] == pytest.approx(4.5) and rec.timing_s["gen"] == pytest.approx(2.25)
-    assert rec.final_step_validated and rec.grids["before"][0] == 0 and rec.grids["after"][0] == 4
-    assert rec.grids["after"][1][:8] == PNG_MAGIC
-    assert [p["gpu_seconds"] for p in rec.train_curve] == pytest.approx([2.0, 3.0, 4.0, 4.5])
-
-
-def test_read_run_refuses_runs_without_a_start_point_or_steps(tmp_path):
-    fake_run(tmp_path / "no_start", [1.0, 1.0], {2: (0.4, 0.2)})
-    with pytest.raises(RuntimeError, match="step-0 validation"):
-        B.read_run(str(tmp_path / "no_start"))
-    fake_run(tmp_path / "no_steps", [], {0: (0.4, 0.2)})
-    with pytest.raises(RuntimeError, match="time_per_step"):
-        B.read_run(str(tmp_path / "no_steps"))
+    def __call__(self, script, argv, log_path, env=None):
+        argv = list(argv)
+        get = lambda flag: argv[argv.index(flag) + 1] if flag in argv else None  # noqa: E731
+        out, steps = get("--output_dir"), int(get("--total_training_steps"))
+        name = os.path.basename(out)
+        self.launched.append((name, argv))
+        live = sum(p.poll() is None for p in B.LIVE.values())
+        self.max_live = max(self.max_live, live + 1)
+        if get("--val_files") is None:                                    # a calibration run
+            fake_run(out, [2.0] + [1.0] * (steps - 1), {})
+        else:
+            every = int(get("--test_freq"))
+            gain = 0.0 if get("--lr") == "0.0" else self.GAIN[name.split("_")[0]]
+            val = {s: (0.3 + gain * s / steps, 0.1) for s in range(0, steps + 1, every)}
+            fake_run(out, [3.0] * steps, val, grid_steps=(0, steps))
+        with open(log_path, "w") as f:
+            f.write("".join(f"step {s}/{steps} | 3.00s/step | ETA 0:00:00 | rewards/mean 0.5\n"
+                            for s in range(1, steps + 1)))
+        sleep = 0.1 if get("--val_files") is None else self.sleep
+        code = f"import time; time.sleep({sleep}); raise SystemExit({1 if name in self.fail else 0})"
+        proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        B.LIVE[proc.pid] = proc
+        return proc
 
 
-def synthetic_records(tmp_path) -> dict[str, B.RunRecord]:
-    """nft: +0.30 in 30 GPU-s, dppo: +0.20 in 20, grpo: +0.05 in 20 (last step not validated), control: +0.01."""
-    plans = {"nft": ([10.0] * 3, {0: (0.3, 0.1), 2: (0.45, 0.2), 3: (0.6, 0.4)}),
-             "dppo": ([5.0] * 4, {0: (0.3, 0.1), 4: (0.5, 0.3)}),
-             "grpo": ([5.0] * 5, {0: (0.3, 0.1), 4: (0.35, 0.1)}),
-             "control": ([6.0] * 4, {0: (0.3, 0.1), 4: (0.31, 0.1)})}
-    records = {}
-    for name, (times, val) in plans.items():
-        fake_run(tmp_path / name, times, val, grid_steps=(0, max(val)))
-        records[name] = B.read_run(str(tmp_path / name))
-    return records
-
-
-def test_summary_gains_rates_and_verdict(tmp_path):
-    records = synthetic_records(tmp_path)
-    summary = B.summarize_runs(records)
-    assert summary["nft"]["gain"]["reward"] == pytest.approx(0.3)
-    assert summary["nft"]["gain_vs_control"]["reward"] == pytest.approx(0.29)
-    assert summary["nft"]["gain_vs_control"]["exact_match"] == pytest.approx(0.3)
-    assert summary["nft"]["reward_gain_vs_control_per_gpu_second"] == pytest.approx(0.29 / 30)
-    assert summary["dppo"]["reward_gain_vs_control_per_gpu_second"] == pytest.approx(0.19 / 20)
-    # grpo's last validated step is 4 (20 GPU-s), not its 5th step (25 GPU-s)
-    assert summary["grpo"]["end"]["gpu_seconds"] == pytest.approx(20.0) and not records["grpo"].final_step_validated
-    assert summary["grpo"]["reward_gain_vs_control_per_gpu_second"] == pytest.approx(0.04 / 20)
-    assert summary["control"]["gain_vs_control"]["reward"] == pytest.approx(0.0)
-    assert summary["nft"]["gpu_seconds_to_start_plus_0.1"] == pytest.approx(20.0)
-    assert summary["grpo"]["gpu_seconds_to_start_plus_0.1"] is None
-    labels = {n: B.ALGORITHMS[n].label for n in records}
-    result = B.verdict(summary, labels)
-    assert result["fastest"] == "nft" and result["ranking"] == ["nft", "dppo", "grpo"]
-    assert result["ratio_to_runner_up"] == pytest.approx((0.29 / 30) / (0.19 / 20))
-    assert result["nft_vs_grpo"] == pytest.approx((0.29 / 30) / (0.04 / 20)) and result["papers_agree"] is True
-    assert "DiffusionNFT learned fastest" in result["statement"]
-    # nothing beats the control -> said so, no ordering claimed
-    flat = {n: dict(s, reward_gain_vs_control_per_gpu_second=-0.001) for n, s in summary.items()}
-    flat_result = B.verdict(flat, labels)
-    assert flat_result["statement"].startswith("no algorithm") and flat_result["papers_agree"] is None
-    # without a control run the gains over it are unknown
-    alone = B.summarize_runs({"nft": records["nft"]})
-    assert alone["nft"]["gain_vs_control"]["reward"] is None and B.verdict(alone, labels)["fastest"] is None
-
-
-def test_write_report_files_and_schema(tmp_path):
-    records = synthetic_records(tmp_path / "runs")
-    labels = {n: B.ALGORITHMS[n].label for n in records}
-    runs = {n: B.run_entry(B.ALGORITHMS[n], {"lr": 1e-3}, ["--lr", "1e-3"], r, 99.0, str(tmp_path / "runs" / n))
-            for n, r in records.items()}
+def test_main_calibrates_alone_then_runs_seeds_concurrently(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("TINY_MODELS_DIR", tiny_models)
+    fake = FakeLauncher(fail={"dppo_s1"})
+    monkeypatch.setattr(B, "launch", fake)
     out = tmp_path / "out"
-    out.mkdir()
-    lines = []
-    doc = B.write_report(records, runs, labels, {"benchmark": "bench_learning"}, str(out), "t", say=lines.append)
-    assert sorted(os.listdir(out)) == sorted(v for k, v in B.FILES.items() if k != "log")
-    loaded = json.loads((out / B.FILES["json"]).read_text())
-    assert loaded == json.loads(json.dumps(doc)) and loaded["result"]["fastest"] == "nft"
-    for name in ("nft", "dppo", "grpo", "control"):
-        run = loaded["runs"][name]
-        for key in ("settings", "command", "recipe", "steps", "gpu_seconds", "curve", "start", "end",
-                    "gain_vs_control", "reward_gain_vs_control_per_gpu_second", "timing_s", "grid_steps"):
-            assert key in run, (name, key)
-    assert_png(out / B.FILES["plot"])
-    assert_png(out / B.FILES["grids"])
-    from PIL import Image
+    argv = ["--smoke", "--out_dir", str(out), "--algorithms", "nft,dppo,control", "--seeds", "2", "--concurrent",
+            "3", "--calibration_steps", "3", "--steps", "4", "--evals", "2"]
+    with pytest.raises(SystemExit, match="runs dppo_s1 failed"):
+        B.main(argv)
+    names = [n for n, _ in fake.launched]
+    assert names[:3] == ["calibrate_control", "calibrate_nft", "calibrate_dppo"]
+    assert names[3:] == ["control", "nft_s0", "dppo_s0", "nft_s1", "dppo_s1"]
+    assert fake.max_live == 3 and not B.LIVE
+    seeds = {n: a[a.index("--seed") + 1] for n, a in fake.launched}
+    assert (seeds["control"], seeds["nft_s0"], seeds["nft_s1"], seeds["dppo_s1"]) == ("42", "42", "43", "43")
+    doc = json.loads((out / B.FILES["json"]).read_text())
+    assert doc["complete"] is True and "solo calibration" in doc["gpu_seconds_source"]
+    assert doc["calibration"]["nft"]["t_first_t_rest"] == [2.0, 1.0]
+    nft = doc["runs"]["nft_s0"]
+    # calibrated: steps 0, 2, 4 at 0, 2 + 1, 2 + 3; the shared runs' own 3 s/step kept aside
+    assert [p["gpu_seconds"] for p in nft["curve"]] == pytest.approx([0.0, 3.0, 5.0])
+    assert [p["shared_seconds"] for p in nft["curve"]] == pytest.approx([0.0, 6.0, 12.0])
+    assert "solo calibration" in nft["gpu_seconds_source"] and nft["gain_vs_control"] == pytest.approx(0.3)
+    assert "exit 1" in doc["runs"]["dppo_s1"]["error"] and doc["algorithms"]["dppo"]["seeds"] == 1
+    assert doc["algorithms"]["nft"]["gpu_seconds_to_gain"]["0.1"]["mean"] == pytest.approx(0.1 / 0.15 * 3.0)
+    assert doc["efficiency_nft_over"]["dppo"]["0.05"]["ratio"] is not None
+    assert "dppo_s1 FAILED" in (out / B.FILES["log"]).read_text()
+    # --resume: the finished runs and calibrations are reused, only the failed one runs again
+    fake2 = FakeLauncher()
+    monkeypatch.setattr(B, "launch", fake2)
+    doc = B.main(argv + ["--resume"])
+    assert [n for n, _ in fake2.launched] == ["dppo_s1"] and doc["algorithms"]["dppo"]["seeds"] == 2
 
-    with Image.open(out / B.FILES["grids"]) as grid:  # 4 rows of (before | after)
-        one = Image.open(io.BytesIO(records["nft"].grids["before"][1]))
-        assert grid.width >= 2 * one.width and grid.height >= 4 * one.height
-    text = "\n".join(lines)
-    assert "DiffusionNFT" in text and "lr = 0 control" in text and "learned fastest" in text
+
+def test_main_budget_becomes_steps_and_max_runtime_stops_launching(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("TINY_MODELS_DIR", tiny_models)
+    fake = FakeLauncher()
+    monkeypatch.setattr(B, "launch", fake)
+    # budget 10 GPU-s at (2, 1): 9 steps fit, 3 evaluations -> every 3 steps; solo runs use their own times
+    B.main(["--smoke", "--out_dir", str(tmp_path / "a"), "--algorithms", "nft", "--budget_s", "10", "--evals", "3"])
+    [(_, calib), (_, run)] = fake.launched
+    assert run[run.index("--total_training_steps") + 1] == "9" and run[run.index("--test_freq") + 1] == "3"
+    doc = json.loads((tmp_path / "a" / B.FILES["json"]).read_text())
+    assert doc["runs"]["nft_s0"]["gpu_seconds"] == pytest.approx(27.0) and "own" in doc["gpu_seconds_source"]
+    fake.launched.clear()
+    with pytest.raises(SystemExit) as stop:
+        B.main(["--smoke", "--out_dir", str(tmp_path / "b"), "--algorithms", "control,nft", "--seeds", "2",
+                "--max_runtime_s", "0"])
+    assert stop.value.code == 3 and fake.launched == []
+    doc = json.loads((tmp_path / "b" / B.FILES["json"]).read_text())
+    assert doc["complete"] is False and doc["pending"] == ["control", "nft_s0", "nft_s1"]
+
+
+def test_refuses_in_one_line_without_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_learning.py"), "--model_path", "m",
+                           "--train_files", "t", "--val_files", "v", "--out_dir", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "no CUDA GPU" in proc.stderr and "--smoke" in proc.stderr and not (tmp_path / "o").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stop_all_kills_each_process_group_with_its_grandchildren():
+    proc = subprocess.Popen(["bash", "-c", "sleep 60 & echo $!; sleep 60"], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    grandchild = int(proc.stdout.readline())
+    B.LIVE[proc.pid] = proc
+    assert _alive(grandchild) and B.stop_all(grace_s=2) == [proc.pid]
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild) and proc.poll() is not None and not B.LIVE
+
+
+def test_sigterm_stops_every_running_trainer(tiny_models, tmp_path, monkeypatch):
+    """SIGTERM to the bench while two (fake) trainers run: main exits 130 and both process groups are gone."""
+    monkeypatch.setenv("TINY_MODELS_DIR", tiny_models)
+    fake = FakeLauncher(sleep=60)
+    pids = []
+
+    def launch(script, argv, log_path, env=None):
+        proc = fake(script, argv, log_path, env)
+        pids.append(proc.pid)
+        if len(pids) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)   # main's handler turns it into an orderly stop
+        return proc
+
+    monkeypatch.setattr(B, "launch", launch)
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        B.main(["--smoke", "--out_dir", str(tmp_path / "o"), "--algorithms", "nft", "--seeds", "2", "--concurrent",
+                "2"])
+    assert stop.value.code == 130 and len(pids) == 2 and signal.getsignal(signal.SIGTERM) == previous
+    assert not any(_alive(p) for p in pids) and not B.LIVE
+    assert "interrupted (SIGTERM)" in (tmp_path / "o" / B.FILES["log"]).read_text()
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# The CPU smoke run (four real trainer runs: ~2-3 minutes on 2 idle cores, hence slow)
+# The CPU smoke runs (real trainers; minutes on 2 cores, hence slow)
 # ------------------------------------------------------------------------------------------------------------------
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
 
 @pytest.mark.slow
-def test_smoke_runs_all_four_trainers_and_writes_the_files(tiny_models, tmp_path):
+def test_smoke_sigterm_leaves_no_trainer_or_rollout_worker(tiny_models, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TINY_MODELS_DIR=tiny_models, PYTHONPATH=REPO)
+    bench = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "bench_learning.py"), "--smoke",
+                              "--algorithms", "nft", "--seeds", "2", "--concurrent", "2", "--out_dir",
+                              str(tmp_path / "o")], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and bench.poll() is None:
+        seen |= _descendants(bench.pid)
+        log = tmp_path / "o" / "runs" / "nft_s0.console.log"
+        if log.exists() and "validation @ step 0" in log.read_text(errors="replace"):
+            break   # both runs' trainers and rollout workers are up
+        time.sleep(0.5)
+    seen |= _descendants(bench.pid)
+    assert bench.poll() is None and len(seen) >= 4, bench.communicate()[0][-3000:]
+    bench.send_signal(signal.SIGTERM)
+    output = bench.communicate(timeout=120)[0]
+    assert bench.returncode == 130, output[-3000:]
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in seen if _alive(p)], output[-3000:]
+
+
+@pytest.mark.slow
+def test_smoke_end_to_end_with_seeds_calibration_and_two_concurrent_runs(tiny_models, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", TINY_MODELS_DIR=tiny_models, PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_learning.py"), "--smoke",
-                           "--out_dir", str(out), "--work_dir", str(tmp_path / "runs")],
+                           "--algorithms", "control,nft", "--seeds", "2", "--concurrent", "2",
+                           "--calibration_steps", "2", "--out_dir", str(out), "--work_dir", str(tmp_path / "runs")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    # what comes back from the device tool: at most 8 plain files, <= 16 MiB, safe names
     files = sorted(os.listdir(out))
     assert files == sorted(B.FILES.values()), files
     for name in files:
         assert (out / name).stat().st_size <= 16 * 2**20 and all(c.isalnum() or c in "._-" for c in name)
     doc = json.loads((out / B.FILES["json"]).read_text())
-    assert doc["smoke"] and doc["budget"] == {"mode": "steps", "total_training_steps": 2}
-    assert set(doc["runs"]) == {"nft", "dppo", "grpo", "control"}
+    assert doc["smoke"] and doc["complete"] and set(doc["runs"]) == {"control", "nft_s0", "nft_s1"}
+    assert set(doc["calibration"]) == {"control", "nft"} and "solo calibration" in doc["gpu_seconds_source"]
+    t_first, t_rest = doc["calibration"]["nft"]["t_first_t_rest"]
     for name, run in doc["runs"].items():
-        tb = scalars(tmp_path / "runs" / name)
-        step_times = [v for _, v in tb[B.STEP_TIME_KEY]]
-        assert run["steps"] == 2 and len(step_times) == 2
-        assert run["gpu_seconds"] == pytest.approx(sum(step_times)) and 0 < run["gpu_seconds"] < run["wall_seconds"]
-        assert [p["step"] for p in run["curve"]] == [0, 2] and run["final_step_validated"]
-        assert run["curve"][-1]["gpu_seconds"] == pytest.approx(run["gpu_seconds"])
-        assert all(p["exact_match"] is not None for p in run["curve"])  # rewards.py's ocr/exact_match extra
-        assert run["settings"]["ocr_backend"] == "rapidocr" and run["settings"]["total_training_steps"] == 2
+        assert run["steps"] == 2 and [p["step"] for p in run["curve"]] == [0, 1, 2]
+        assert run["curve"][-1]["gpu_seconds"] == pytest.approx(t_first + t_rest) or name == "control"
+        assert all(p["exact_match"] is not None and p["n"] == 2 for p in run["curve"])
         assert run["settings"]["lr"] == (0.0 if name == "control" else B.SMOKE["lr"])
-        assert run["grid_steps"] == {"before": 0, "after": 2}
-        assert run["gain_vs_control"]["reward"] is not None
-    assert doc["runs"]["grpo"]["settings"]["loss"] == "flow_grpo" and doc["runs"]["nft"]["script"] == "train_nft.py"
-    assert doc["result"]["statement"] in proc.stdout
+    assert doc["runs"]["nft_s1"]["settings"]["seed"] == 43 and doc["algorithms"]["nft"]["seeds"] == 2
+    assert "step 2/2" in proc.stdout or "step 1/2" in proc.stdout     # progress while training
     assert_png(out / B.FILES["plot"])
     assert_png(out / B.FILES["grids"])
-    log = (out / B.FILES["log"]).read_text()
-    assert log.count("validation @ step 0") == 4 and "train_nft.py" in log
-
-
-def test_main_reports_a_failed_run_and_keeps_the_others(tiny_models, tmp_path, monkeypatch):
-    """main's loop with the trainer launch replaced by a fake that leaves a run's logs (or fails for grpo): the
-    flags reach the launcher, a failed run is reported in the JSON and on exit, the other three are summarized."""
-    launched = []
-
-    def fake_run_trainer(script, argv, *, nproc, timeout_s, log_path):
-        launched.append((script, list(argv)))
-        if len(launched) == 2:  # the control ran first, and its report is on disk before the next run starts
-            partial = json.loads((tmp_path / "out" / B.FILES["json"]).read_text())
-            assert partial["complete"] is False and list(partial["runs"]) == ["control"]
-            assert partial["pending"] == ["nft", "dppo", "grpo"]
-        if "flow_grpo" in argv:
-            raise AssertionError("boom: the trainer failed")
-        out = argv[argv.index("--output_dir") + 1]
-        gain = 0.0 if argv[argv.index("--lr") + 1] == "0.0" else 0.2
-        fake_run(out, [1.0, 2.0], {0: (0.3, 0.1), 2: (0.3 + gain, 0.1 + gain)}, grid_steps=(0, 2))
-
-    monkeypatch.setenv("TINY_MODELS_DIR", tiny_models)
-    monkeypatch.setattr(B, "run_trainer", fake_run_trainer)
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit, match="runs grpo failed"):
-        B.main(["--smoke", "--out_dir", str(out), "--set", "nft.mix_beta=0.3"])
-    assert [s for s, _ in launched] == ["train_dppo.py", "train_nft.py", "train_dppo.py", "train_dppo.py"]
-    nft_argv = launched[1][1]
-    assert nft_argv[nft_argv.index("--mix_beta") + 1] == "0.3" and "--max_wall_time_s" not in nft_argv
-    assert nft_argv[nft_argv.index("--total_training_steps") + 1] == "2"
-    doc = json.loads((out / B.FILES["json"]).read_text())
-    assert doc["complete"] is True
-    assert "boom" in doc["runs"]["grpo"]["error"] and "curve" not in doc["runs"]["grpo"]
-    assert doc["runs"]["nft"]["gain_vs_control"]["reward"] == pytest.approx(0.2)
-    assert doc["runs"]["nft"]["reward_gain_vs_control_per_gpu_second"] == pytest.approx(0.2 / 3.0)
-    assert doc["result"]["fastest"] in ("nft", "dppo") and "nft_vs_grpo" not in doc["result"]
-    assert_png(out / B.FILES["plot"])
-    assert_png(out / B.FILES["grids"])
-    assert "grpo FAILED" in (out / B.FILES["log"]).read_text()
+    assert "| DiffusionNFT | 2 |" in (out / B.FILES["markdown"]).read_text()
