@@ -6,10 +6,16 @@ exactly as in-training validation computes `val-core/<data_source>/reward/mean@1
         --adapters base outputs/run/checkpoints/step_00000030:old outputs/run/checkpoints/step_00000300:old
     torchrun --nproc_per_node=4 scripts/evaluate.py --run_dir outputs/run --adapters base lora_dir/ ...
 
-Each adapter is `base` (LoRA off), a PEFT folder, or a checkpoint folder with `:default` / `:old`. The flags are the
-trainers' own (same names, defaults and meaning; `--help` lists those used here) and `--run_dir` makes the run's
-values the defaults: model, --val_files, --val_max_samples, --val_seed, --val_num_inference_steps, size, guidance,
---rollout_dtype, --rollout_max_batch_size and every reward flag. Scoring goes through
+Each adapter is `base` (LoRA off), a PEFT folder, or a checkpoint folder with `:default` / `:old`, verified before any
+model loads and again where it is read (`training.verify_adapter_spec`: an adapter of a checkpoint, in either form,
+against the checkpoint's COMPLETE manifest, refused without one; a standalone folder has no checksum and is scored
+with one line saying it was not verified). The flags are the trainers' own (same names, defaults and meaning;
+`--help` lists those used here) and `--run_dir` makes the run's values the defaults: model, --val_files,
+--val_max_samples, --val_seed, --val_num_inference_steps, size, guidance, --rollout_dtype, --rollout_max_batch_size
+and every reward flag. Those values are the ones the run's newest complete checkpoint was written with (its
+trainer_state.json, verified by its COMPLETE manifest); the run's run_metadata.json must agree with them (an edited
+or foreign one is refused, naming both values), and without a checkpoint they come from run_metadata.json,
+unverified (the first line printed says where they came from). Scoring goes through
 `training.run_validation`, the function in-training validation calls (prompt i sampled with seed
 `rollout.row_seed(--val_seed, 1, i)`, ODE, rewards by data_source), with the rollout engine (`rollout.NativeEngine`)
 in this process on this rank's device; `torchrun` splits the prompts over the ranks like the trainers do.
@@ -63,8 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write every sample as images/<k>_<adapter>/<index>.png")
     parser.set_defaults(run_cfg_scale=None)  # no flag: the --run_dir run's resolved CFG scale, for unset CFG flags
     from_run = {**{d: d for d in shown if d not in NOT_FROM_RUN}, "run_cfg_scale": "cfg_scale"}
-    T.set_defaults_from_run(parser, argv, from_run)
+    settings_from = T.set_defaults_from_checkpoint(parser, argv, from_run)  # the run's checkpoint, verified
     args = parser.parse_args(argv)
+    args.settings_from = settings_from
     for spec in args.adapters:
         if spec != "base":
             try:  # where it is, its checkpoint's sha256 manifest, finiteness: before any model loads
@@ -118,6 +125,8 @@ def main(argv=None) -> None:
 
     info = T.init_distributed(T.resolve_device(args.device))
     rank = info.rank
+    if rank == 0 and args.settings_from:
+        print(args.settings_from, flush=True)
     model_path = resolve_model_path(args.model_path)
     scale = T.run_dir_cfg_scale(model_family(model_path), args)  # an explicit flag, else the --run_dir run's
     scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
@@ -138,6 +147,9 @@ def main(argv=None) -> None:
                 outcome = T.run_validation(engine, scorer, dataset, args, cfg_scale=scale)
         else:
             path = T.verify_adapter_spec(spec)[0]  # again where it is read (it may have changed since start-up)
+            unverified = T.unverified_adapter_line(path)
+            if unverified and rank == 0:
+                print(unverified, flush=True)
             if signature is not None and lora_signature(path) != signature:
                 engine = new_engine()  # another rank / alpha / target list: start from the base weights again
             bound = engine.load_adapter(path, spec)  # raises unless every tensor binds exactly one LoRA module
@@ -171,8 +183,8 @@ def write_report(args, results: list[dict]) -> None:
                          for s in r["samples"])
     settings = {key: getattr(args, key) for key in USED}
     with open(os.path.join(args.output_dir, "metrics.json"), "w", encoding="utf-8") as f:
-        json.dump({"settings": settings, "adapters": [{k: r[k] for k in ("adapter", "path", "bound_modules",
-                                                                         "metrics")} for r in results]},
+        json.dump({"settings": settings, "settings_from": args.settings_from,
+                   "adapters": [{k: r[k] for k in ("adapter", "path", "bound_modules", "metrics")} for r in results]},
                   f, indent=2, default=str)
     for k, r in enumerate(results):
         if len(r["images"]):

@@ -4,7 +4,10 @@
     python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000030:default outputs/demo/peft_default
     python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000030:old lora_vllm --format vllm_omni
 
-The source is a PEFT adapter folder or a checkpoint folder with `:default` / `:old` (as for sample.py). A
+The source is a PEFT adapter folder or a checkpoint folder with `:default` / `:old` (as for sample.py), read as
+every tool reads an adapter (`training.verify_adapter_spec`): an adapter of a checkpoint must match the checkpoint's
+COMPLETE manifest (refused without one), every tensor must be finite, and a standalone folder, which has no
+checksum, is exported with one line saying it was not verified. A
 checkpoint's `adapters/<name>/` folder is in diffusers' form (tensor keys `transformer.<module>...`): diffusers'
 `pipe.load_lora_weights(folder)` loads it as it is, but plain PEFT does not find those keys and loads a zero
 adapter (it only warns). The formats:
@@ -31,10 +34,10 @@ FORMATS = {"peft": dict(key_prefix="base_model.model.", engine_names=False),
            "vllm_omni": dict(key_prefix="transformer.", engine_names=True)}
 
 
-def export(source_dir: str, out_dir: str, fmt: str) -> int:
-    """Rewrite the adapter folder `source_dir` (any name form) as `out_dir` in format `fmt`; returns the number of
-    LoRA modules. Refuses a source where a module lacks its A or B matrix."""
-    config, modules = lora.read_adapter(source_dir)
+def export(source_dir: str, config: dict, modules: dict[str, dict], out_dir: str, fmt: str) -> int:
+    """Write the adapter read from `source_dir` (`config`, `modules` as `training.verify_adapter_spec` returns
+    them, any name form) as `out_dir` in format `fmt`; returns the number of LoRA modules. Refuses a source where a
+    module lacks its A or B matrix."""
     tensors = {}
     for module, pair in sorted(modules.items()):
         missing = sorted({"A", "B"} - set(pair))
@@ -55,12 +58,15 @@ def main(argv=None) -> None:
     parser.add_argument("--format", default="peft", choices=sorted(FORMATS), help="default: peft")
     args = parser.parse_args(argv)
     try:
-        source = T.resolve_adapter_dir(args.source)
+        source, config, modules = T.verify_adapter_spec(args.source)  # where it is, its manifest, finiteness
         if os.path.abspath(source) == os.path.abspath(args.out_dir):
             raise ValueError(f"{args.out_dir} is the source folder: write the export somewhere else")
-        count = export(source, args.out_dir, args.format)
-    except (ValueError, OSError) as e:
+        count = export(source, config, modules, args.out_dir, args.format)
+    except (ValueError, OSError, T.CheckpointError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    unverified = T.unverified_adapter_line(source)
+    if unverified:
+        print(unverified, file=sys.stderr)
     print(f"wrote {args.out_dir} ({args.format} form, {count} LoRA modules) from {source}")
 
 

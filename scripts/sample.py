@@ -13,8 +13,11 @@ Prompts come from --prompt (repeatable), --prompts (a text file, one per line) o
 its chat messages, negative prompts and edit reference images are used as the trainers use them). Text prompts are
 encoded by the family's released rule (plain strings) with the family's default negative (Boogu "", Qwen " ").
 --adapter is a PEFT folder or a checkpoint folder with `:default` / `:old` (omit for the base model); the rollout
-engine loads it and fails unless every tensor binds. `--run_dir` takes the model, size, guidance, validation
-steps and seed of a trainer's run as defaults.
+engine loads it and fails unless every tensor binds; it is verified first (`training.verify_adapter_spec`: an
+adapter of a checkpoint, as `CKPT:NAME` or as its folder, against the checkpoint's COMPLETE manifest, refused without
+one; a standalone folder has no checksum and is used with one line saying it was not verified). `--run_dir` takes
+the model, size, guidance, validation steps and seed of a trainer's run as defaults: those its newest complete
+checkpoint was written with (verified), with which its run_metadata.json must agree.
 
 Sample i (global order: prompt-major, --num_per_prompt per prompt) is drawn with seed `rollout.row_seed(--seed, 1,
 i)` by its own generator, the seed in-training validation gives prompt i, so results do not depend on the batch
@@ -74,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cfg_batch", action="store_true", help="both CFG branches in one forward")
     parser.add_argument("--num_grid_images", type=int, default=16, help="samples in grid.png (0 = no grid)")
     parser.add_argument("--output_dir", required=True)
-    T.set_defaults_from_run(parser, argv, RUN_DEFAULTS)
+    settings_from = T.set_defaults_from_checkpoint(parser, argv, RUN_DEFAULTS)  # the run's checkpoint, verified
     args = parser.parse_args(argv)
+    args.settings_from = settings_from
     if not args.model_path:
         parser.error("--model_path is required (or $MODEL_PATH, or --run_dir)")
     if sum(bool(x) for x in (args.prompt, args.prompts, args.parquet)) != 1:
@@ -121,6 +125,8 @@ def main(argv=None) -> None:
 
     info = T.init_distributed(T.resolve_device(args.device))
     rank, world = info.rank, info.world_size
+    if rank == 0 and args.settings_from:
+        print(args.settings_from, flush=True)
     model_path = resolve_model_path(args.model_path)
     family = model_family(model_path)
     rows = prompt_rows(args, family)  # every model-free check first
@@ -144,6 +150,9 @@ def main(argv=None) -> None:
         bound = engine.load_adapter(adapter_dir, args.adapter)  # raises unless every tensor binds a LoRA module
         if rank == 0:
             print(f"adapter {adapter_dir}: {bound} LoRA modules bound", flush=True)
+            unverified = T.unverified_adapter_line(adapter_dir)
+            if unverified:
+                print(unverified, flush=True)
 
     start, stop = rank * len(rows) // world, (rank + 1) * len(rows) // world  # this process's prompts
     mine = [rows[i] for i in range(start, stop)]

@@ -70,7 +70,9 @@ from .resume_policy import (RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, RESUME
 from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapter, adapter_checkpoint, MARKER,
                          CHECKPOINT_FORMAT, library_versions, optimizer_full_state, load_optimizer_full_state_,
                          save_checkpoint, GatheredState, gather_checkpoint, write_checkpoint, save_gathered,
-                         find_latest, verify_checkpoint, clean_orphans, check_resume_config, load_checkpoint)
+                         find_latest, verify_checkpoint, clean_orphans, check_resume_config, load_checkpoint,
+                         unverified_adapter_line, earlier_verified_checkpoint, earlier_adapter_advice,
+                         verified_run_config, run_settings, explicit_flags, set_defaults_from_checkpoint)
 from .resume import ResumePlan, prepare_resume
 # 6. TensorBoard, metric reduction, image grids, timers, run metadata, the console log
 from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, timer, image_grid,

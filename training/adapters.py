@@ -15,7 +15,8 @@ import torch
 
 from models import lora
 
-from .checkpoint import MARKER, CheckpointError, find_latest, read_verified_adapter
+from .checkpoint import (MARKER, CheckpointError, earlier_adapter_advice, find_latest, read_verified_adapter,
+                         unverified_adapter_line)
 from .distributed import barrier, is_main_process
 from .logs import timer
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, _full, _strip_adapter, adapter_config_dict, adapter_params,
@@ -150,7 +151,8 @@ def resolve_adapter_dir(spec: str) -> str:
     adapters = os.path.join(path, "adapters")
     if os.path.isdir(adapters):
         if not os.path.isfile(os.path.join(path, MARKER)):
-            raise ValueError(f"checkpoint {path} is partial (no {MARKER} marker); use a complete checkpoint")
+            raise ValueError(f"checkpoint {path} is partial (no {MARKER} marker: nothing in it can be verified); "
+                             f"{earlier_adapter_advice(path, name or ADAPTER_DEFAULT)}")
         present = sorted(d for d in os.listdir(adapters) if is_peft(os.path.join(adapters, d)))
         if name is None and len(present) != 1:
             raise ValueError(f"checkpoint {path} holds the adapters {present}: name one, e.g. {path}:old (what "
@@ -169,9 +171,11 @@ def resolve_adapter_dir(spec: str) -> str:
 
 
 def verify_adapter_spec(spec: str) -> tuple[str, dict, dict]:
-    """(folder, adapter_config, modules) of the adapter `spec` names (`resolve_adapter_dir`), verified as
-    `read_verified_adapter` does (its checkpoint's sha256 manifest when it has one, finiteness always). Model-free;
-    raises ValueError / CheckpointError naming the adapter and the fix."""
+    """(folder, adapter_config, modules) of the adapter `spec` names (`resolve_adapter_dir`), read by
+    `read_verified_adapter` (an adapter of a checkpoint, as `CKPT:NAME` or as its folder, against the checkpoint's
+    COMPLETE manifest, refused without one; finiteness always). What every tool reads an adapter with; a
+    standalone folder's `unverified_adapter_line` is for the tool to print. Model-free; raises ValueError /
+    CheckpointError naming the adapter and the fix."""
     path = resolve_adapter_dir(spec)
     config, modules = read_verified_adapter(path)
     return path, config, modules
@@ -217,4 +221,7 @@ def load_init_adapter(transformer, spec: str | None, *, lora_rank: int, lora_alp
     if is_main_process():
         print(f"init adapter: '{adapter}' starts from {path} ({len(modules)} modules, r={lora_rank}, "
               f"alpha={lora_alpha})", flush=True)
+        unverified = unverified_adapter_line(path)
+        if unverified:
+            print(f"--init_adapter: {unverified}", flush=True)
     return len(modules)

@@ -21,6 +21,7 @@ and readable with plain `torch.load`. It is gathered/scattered by our own two fu
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -47,7 +48,9 @@ from .data import PromptSampler
 from .resume_policy import RESUME_MUTABLE_KEYS, _hash_files, _logged_values, config_fingerprint
 
 __all__ = [
-    "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "MARKER",
+    "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "unverified_adapter_line",
+    "earlier_verified_checkpoint", "earlier_adapter_advice", "verified_run_config", "run_settings",
+    "explicit_flags", "set_defaults_from_checkpoint", "MARKER",
     "CHECKPOINT_FORMAT", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
     "GatheredState", "gather_checkpoint", "write_checkpoint", "save_gathered",
     "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config",
@@ -210,26 +213,57 @@ def _nonfinite_report(adapters: Mapping[str, Mapping[str, torch.Tensor]], optim_
 
 
 def adapter_checkpoint(adapter_dir: str) -> tuple[str, str] | None:
-    """(checkpoint folder, manifest prefix "adapters/<name>/") when `adapter_dir` is an adapter of a checkpoint that
-    has a COMPLETE manifest, else None (a plain PEFT folder carries no manifest)."""
-    parent, name = os.path.split(os.path.normpath(os.path.abspath(adapter_dir)))
+    """(checkpoint folder, manifest prefix "adapters/<name>/") when `adapter_dir` (symbolic links resolved) is an
+    adapter of a checkpoint, complete or not: `<ckpt>/adapters/<name>` where `<ckpt>` is named `step_XXXXXXXX` or
+    holds a COMPLETE marker or a trainer_state.json. None for a standalone PEFT folder (it carries no manifest)."""
+    parent, name = os.path.split(os.path.realpath(adapter_dir))
     ckpt, adapters = os.path.split(parent)
-    if adapters == "adapters" and os.path.isfile(os.path.join(ckpt, MARKER)):
+    if adapters == "adapters" and (_STEP_DIR.match(os.path.basename(ckpt)) or any(
+            os.path.isfile(os.path.join(ckpt, f)) for f in (MARKER, "trainer_state.json"))):
         return ckpt, f"adapters/{name}/"
     return None
 
 
-def read_verified_adapter(adapter_dir: str, *, what: str = "LoRA adapter",
-                          manifest: bool = True) -> tuple[dict, dict[str, dict]]:
-    """`models.lora.read_adapter` of `adapter_dir` after checking it wherever it is read (evaluate, sample,
-    --init_adapter, resume): the sha256 of its files against its checkpoint's COMPLETE manifest when it is part of
-    one (`adapter_checkpoint`), and always that every tensor is finite (a same-size bit flip or a NaN adapter
-    would otherwise be sampled and scored). `manifest=False`: the caller verified the checkpoint already. Raises
-    CheckpointError naming the folder (`what` says whose), the files or tensors and the fix."""
-    found = adapter_checkpoint(adapter_dir)
-    if found is not None and manifest:
-        ckpt, prefix = found
-        verify_checkpoint(ckpt, only=prefix)
+def unverified_adapter_line(adapter_dir: str) -> str | None:
+    """The line a tool prints when it reads the standalone PEFT folder `adapter_dir`: its bytes could not be
+    verified (no checksum available; only finiteness was checked). None for an adapter of a checkpoint, which
+    `read_verified_adapter` verifies against the checkpoint's COMPLETE manifest or refuses."""
+    if adapter_checkpoint(adapter_dir) is not None:
+        return None
+    return (f"LoRA adapter {adapter_dir}: not verified (a standalone PEFT folder has no checksum manifest: no "
+            f"checksum available); only that its tensors are finite was checked")
+
+
+def earlier_verified_checkpoint(path: str) -> str | None:
+    """The newest complete checkpoint older than `path` in the same folder that verifies (`verify_checkpoint`:
+    manifest, sha256, adapters readable and finite); None when there is none. What a refusal of `path` offers."""
+    root, name = os.path.split(os.path.abspath(path))
+    m = _STEP_DIR.match(name)
+    below = int(m.group(1)) if m else None
+    for step in reversed(_complete_steps(root)):
+        if below is not None and step >= below:
+            continue
+        candidate = os.path.join(root, f"step_{step:08d}")
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    return None
+
+
+def earlier_adapter_advice(ckpt: str, name: str) -> str:
+    """The fix a refusal of adapter `name` of checkpoint `ckpt` offers: the same adapter of the previous complete
+    checkpoint that verifies (`earlier_verified_checkpoint`), or that there is none."""
+    earlier = earlier_verified_checkpoint(ckpt)
+    if earlier:
+        return f"use {earlier}:{name}, the previous complete checkpoint, which verifies"
+    return f"no earlier complete checkpoint in {os.path.dirname(os.path.abspath(ckpt))} verifies: use another adapter"
+
+
+def _read_checked_adapter(adapter_dir: str, what: str, *, plain: bool) -> tuple[dict, dict[str, dict]]:
+    """`models.lora.read_adapter` of `adapter_dir`, refused (CheckpointError naming the folder or file) when it is
+    unreadable or any tensor holds NaN/inf. `plain`: a standalone folder (the message says it has no manifest)."""
     try:
         config, modules = lora.read_adapter(adapter_dir)
     except (OSError, ValueError) as e:
@@ -239,9 +273,122 @@ def read_verified_adapter(adapter_dir: str, *, what: str = "LoRA adapter",
     if bad:
         raise CheckpointError(
             f"{what} {adapter_dir}: {len(bad)} tensors hold NaN/inf (e.g. {bad[:3]}); it is corrupt"
-            + ("" if found else " (a plain PEFT folder has no sha256 manifest to say which bytes changed)")
+            + (" (a plain PEFT folder has no sha256 manifest to say which bytes changed)" if plain else "")
             + ": use another adapter or checkpoint")
     return config, modules
+
+
+def read_verified_adapter(adapter_dir: str, *, what: str = "LoRA adapter",
+                          manifest: bool = True) -> tuple[dict, dict[str, dict]]:
+    """THE reader of an adapter folder from disk (evaluate, sample, export, --init_adapter, resume):
+    `models.lora.read_adapter` of `adapter_dir` after verifying what can be verified. An adapter of a checkpoint
+    (`adapter_checkpoint`, given as `CKPT:NAME` or as the folder itself) must match the checkpoint's COMPLETE
+    manifest (sizes of every file, sha256 of its own): a checkpoint without the manifest is refused, as nothing
+    can be verified. Every tensor must be finite, wherever the folder is (a standalone PEFT folder has no checksum:
+    the caller prints `unverified_adapter_line`). `manifest=False`: the caller verified the checkpoint already.
+    Raises CheckpointError naming the folder (`what` says whose), the files or tensors and the fix (for a
+    checkpoint's adapter, the previous complete checkpoint that verifies)."""
+    found = adapter_checkpoint(adapter_dir)
+    if found is None:
+        return _read_checked_adapter(adapter_dir, what, plain=True)
+    ckpt, prefix = found
+    try:
+        if manifest:
+            verify_checkpoint(ckpt, only=prefix, contents=False)
+    except CheckpointError as e:
+        raise CheckpointError(f"{what} {adapter_dir} is refused: {e}; "
+                              f"{earlier_adapter_advice(ckpt, prefix.split('/')[1])}") from e
+    try:
+        return _read_checked_adapter(adapter_dir, what, plain=False)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {earlier_adapter_advice(ckpt, prefix.split('/')[1])}") from e
+
+
+def verified_run_config(ckpt: str) -> dict[str, Any]:
+    """The config checkpoint `ckpt` was written with (its trainer_state.json's fingerprinted and logged values:
+    every flag of the run), after checking the manifest (sizes of every file, sha256 of trainer_state.json). {} for
+    a checkpoint that records none. Raises CheckpointError naming the checkpoint."""
+    verify_checkpoint(ckpt, only="trainer_state.json", contents=False)
+    state = _read_trainer_state(ckpt)
+    return {**state.get("logged_config", {}), **state.get("fingerprinted_config", {})}
+
+
+CFG_FLAGS = ("guidance_scale", "true_cfg_scale")  # the flags that set the resolved "cfg_scale" of a run
+
+
+def _newest_complete(root: str) -> str | None:
+    """`<root>/step_XXXXXXXX` of the newest complete checkpoint under `root` (None when there is none)."""
+    steps = _complete_steps(root)
+    return os.path.join(root, f"step_{steps[-1]:08d}") if steps else None
+
+
+def run_settings(run_dir: str, mapping: Mapping[str, str],
+                 explicit: Iterable[str] = ()) -> tuple[dict[str, Any], str]:
+    """({dest: value}, the line saying where they come from): the settings of the trainer run `run_dir` for the
+    flags `mapping` names ({dest: run config key}), taken from its newest complete checkpoint (`verified_run_config`:
+    the trainer_state.json its COMPLETE manifest covers). `<run_dir>/run_metadata.json` is a convenience that must
+    agree: a key it records otherwise (an edit, another run) is a ValueError naming both values and both files,
+    unless its flag is in `explicit` (given on the command line: that value is used, the recorded ones are not).
+    Without a checkpoint that records settings, they come from run_metadata.json and the line says they are not
+    verified. Model-free; raises ValueError / CheckpointError / FileNotFoundError naming the file and the fix."""
+    from .logs import read_run_config
+
+    meta_path = os.path.join(run_dir, "run_metadata.json")
+    ckpt = _newest_complete(os.path.join(run_dir, "checkpoints"))
+    verified = verified_run_config(ckpt) if ckpt else {}
+    if not verified:
+        reason = (f"checkpoint {ckpt} records no settings" if ckpt else
+                  f"{run_dir}/checkpoints holds no complete checkpoint to check them against")
+        metadata = read_run_config(run_dir)
+        return ({dest: metadata[key] for dest, key in mapping.items() if key in metadata},
+                f"settings: from {meta_path}, not verified ({reason})")
+    metadata = read_run_config(run_dir) if os.path.isfile(meta_path) else {}
+    skip = set(explicit)
+    differ = {dest: key for dest, key in mapping.items()
+              if dest not in skip and key in verified and key in metadata and metadata[key] != verified[key]}
+    if differ:
+        diffs = [f"{key}: {metadata[key]!r} in run_metadata.json, {verified[key]!r} in the checkpoint"
+                 for key in differ.values()]
+        flags = ", ".join("/".join(f"--{f}" for f in CFG_FLAGS) if dest == "run_cfg_scale" else f"--{dest}"
+                          for dest in differ)
+        raise ValueError(
+            f"--run_dir {run_dir}: {meta_path} disagrees with the settings its checkpoint {ckpt} was written with "
+            f"(trainer_state.json, verified by its {MARKER} manifest): {'; '.join(diffs)}; the checkpoint's are what "
+            f"the run used: restore run_metadata.json, or choose the values yourself with {flags}")
+    settings = {dest: verified[key] if key in verified else metadata[key] for dest, key in mapping.items()
+                if key in verified or key in metadata}
+    agrees = f"; {meta_path} is missing" if not metadata else "; run_metadata.json agrees" + (
+        " (flags given on the command line win over both)" if skip & set(mapping) else "")
+    return settings, f"settings: from {ckpt}/trainer_state.json (verified by its {MARKER} manifest){agrees}"
+
+
+def explicit_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None, dests: Iterable[str]) -> set[str]:
+    """Which of `dests` the command line `argv` gives explicitly (argparse leaves a value already in the namespace
+    alone unless the flag is given, abbreviations and `--flag=value` included). "run_cfg_scale" counts as given
+    with either CFG flag (`CFG_FLAGS`)."""
+    unset = object()
+    known, _ = parser.parse_known_args(argv, argparse.Namespace(**{d: unset for d in dests}))
+    given = {d for d in dests if getattr(known, d, unset) is not unset}
+    if given & set(CFG_FLAGS):
+        given.add("run_cfg_scale")
+    return given
+
+
+def set_defaults_from_checkpoint(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                                 mapping: Mapping[str, str]) -> str | None:
+    """With `--run_dir DIR` among argv, make the run's settings (`run_settings`: its newest checkpoint's, verified;
+    run_metadata.json must agree) the parser's defaults for the flags `mapping` names ({dest: run config key});
+    flags given explicitly still win. Returns the line saying where the settings come from (None without
+    --run_dir), for rank 0 to print; a refusal is `parser.error` (one line). The parser must define --run_dir."""
+    known, _ = parser.parse_known_args(argv)
+    if not known.run_dir:
+        return None
+    try:
+        settings, line = run_settings(known.run_dir, mapping, explicit_flags(parser, argv, mapping))
+    except (ValueError, OSError, CheckpointError) as e:
+        parser.error(str(e))
+    parser.set_defaults(**settings)
+    return line
 
 
 @dataclass
@@ -421,15 +568,19 @@ def find_latest(root: str) -> str | None:
     return os.path.join(root, f"step_{complete[-1]:08d}") if complete else None
 
 
-def verify_checkpoint(path: str, *, sha256: bool = True, only: str | None = None) -> dict[str, Any]:
+def verify_checkpoint(path: str, *, sha256: bool = True, only: str | None = None,
+                      contents: bool = True) -> dict[str, Any]:
     """The COMPLETE manifest of `path` after checking it: the marker exists and is this format, the file set and
     sizes match, and (sha256=True) every file's sha256 matches (with `only`, e.g. "adapters/old/", the files under
-    that prefix only). Raises CheckpointError naming the files."""
+    that prefix only) and (`contents`) every adapter there reads and holds finite tensors: a manifest re-forged
+    over a damaged file (e.g. a zero-byte adapter) is refused here, before any model loads. Raises CheckpointError
+    naming the files."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     marker_path = os.path.join(path, MARKER)
     if not os.path.isfile(marker_path):
-        raise CheckpointError(f"checkpoint {path} is partial: the {MARKER} marker (written last) is missing")
+        raise CheckpointError(f"checkpoint {path} is partial: the {MARKER} marker (written last) is missing, so "
+                              f"nothing in it can be verified")
     try:
         with open(marker_path, encoding="utf-8") as f:
             marker = json.load(f)
@@ -454,7 +605,20 @@ def verify_checkpoint(path: str, *, sha256: bool = True, only: str | None = None
             raise CheckpointError(
                 f"checkpoint {path} is corrupt: {wrong} do not match the sha256 in its {MARKER} manifest (same size, "
                 f"different bytes)")
+        if contents:
+            _check_adapter_contents(path, sorted(expected), only)
     return marker
+
+
+def _check_adapter_contents(path: str, files: Sequence[str], only: str | None) -> None:
+    """Every adapter folder of checkpoint `path` among the manifest's `files` (under `only`) reads and is finite."""
+    names = sorted({rel.split(os.sep)[1] for rel in files if rel.startswith("adapters" + os.sep)
+                    and rel.count(os.sep) >= 2 and (only is None or rel.startswith(only))})
+    for name in names:
+        try:
+            _read_checked_adapter(os.path.join(path, "adapters", name), "adapter", plain=False)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {e}") from None
 
 
 def clean_orphans(root: str) -> list[str]:

@@ -11,8 +11,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .checkpoint import (_STEP_DIR, CheckpointError, _complete_steps, _load_tensors, _on_rank0, _read_trainer_state,
-                         _step_dirs, check_resume_config, clean_orphans, find_latest, verify_checkpoint)
+from .checkpoint import (CheckpointError, _complete_steps, _load_tensors, _on_rank0, _read_trainer_state,
+                         _step_dirs, check_resume_config, clean_orphans, earlier_verified_checkpoint, find_latest,
+                         verify_checkpoint)
 from .model import ADAPTER_DEFAULT
 
 __all__ = ["ResumePlan", "prepare_resume"]
@@ -45,23 +46,6 @@ def _set_aside(paths: Sequence[str], previous_root: str, label: str) -> str:
     return dest
 
 
-def _earlier_verified(path: str) -> str | None:
-    """The newest complete checkpoint older than `path` in the same folder whose sha256 manifest verifies."""
-    root, name = os.path.split(os.path.abspath(path))
-    m = _STEP_DIR.match(name)
-    below = int(m.group(1)) if m else None
-    for step in reversed(_complete_steps(root)):
-        if below is not None and step >= below:
-            continue
-        candidate = os.path.join(root, f"step_{step:08d}")
-        try:
-            verify_checkpoint(candidate)
-        except CheckpointError:
-            continue
-        return candidate
-    return None
-
-
 def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any], adapter_names: Sequence[str],
                           force: bool, set_aside_with_checkpoints: Sequence[str], previous_root: str) -> ResumePlan:
     messages = clean_orphans(ckpt_root)
@@ -85,7 +69,7 @@ def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any]
     try:
         verify_checkpoint(path)
     except CheckpointError as e:
-        earlier = _earlier_verified(path)
+        earlier = earlier_verified_checkpoint(path)
         advice = (f"\nThe previous complete checkpoint {earlier} verifies: resume from it with --resume {earlier} "
                   f"(the later ones are then moved aside, not deleted)." if earlier else
                   "\nNo earlier complete checkpoint verifies; start a new run with --resume never (the checkpoints are "
