@@ -33,6 +33,11 @@ UNSUPPORTED_PLACEHOLDERS = ("<video>", "<audio>")
 ROLES = ("system", "user", "assistant")
 
 
+def has_printable_text(text: str) -> bool:
+    """Whether `text` holds a character that shows: not only whitespace and control characters (NUL, ...)."""
+    return any(ch.isprintable() and not ch.isspace() for ch in text)
+
+
 @dataclass
 class PromptRow:
     index: int                                   # row number in the parquet file
@@ -117,6 +122,9 @@ class PromptDataset:
         if not text.strip():
             raise self._err(i, self.prompt_key, f"the user message has no text ({prompt!r}); every row needs a "
                                                 f"prompt: fix or drop the row")
+        if not has_printable_text(text):  # NULs and other control characters only: as empty as a blank prompt
+            raise self._err(i, self.prompt_key, f"the user message has no printable text ({text!r}); every row needs "
+                                                f"a prompt: fix or drop the row")
         n_pos = count_placeholders(prompt)
         if n_pos != n_images:
             raise self._err(i, self.prompt_key, f"{n_pos} {IMAGE_PLACEHOLDER} placeholder(s) but the row carries "

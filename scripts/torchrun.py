@@ -56,6 +56,7 @@ def failure_line(script: str, failures: Mapping[int, object]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size, parse_args, run
 
@@ -63,11 +64,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = os.environ.get("TORCHRUN_VERBOSE", "") not in ("", "0")
     if not verbose:
         logging.getLogger(AGENT_LOGGER).setLevel(logging.CRITICAL)
+        # "Received 2 death signal, shutting down workers": the ranks print their own stop line
+        logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
         if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
             # what torchrun sets for more than one process, without its banner
             os.environ["OMP_NUM_THREADS"] = "1"
     try:
         run(args)
+    except SignalException as stop:  # forwarded to the ranks, which saved, printed their line and exited
+        if verbose:
+            raise
+        return 128 + int(stop.sigval)
     except ChildFailedError as error:
         if verbose:
             raise

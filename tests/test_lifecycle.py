@@ -400,3 +400,30 @@ def test_a_frozen_rank_is_named(demo_data, tiny_models, tmp_path):  # noqa: F811
         kill_group(run)
     assert re.search(rf"a collective failed while these ranks were silent: rank 1 \(host \S+, pid {frozen}\): no sign "
                      rf"of life for \d+ s", run.output), run.output[-4000:]
+
+
+@pytest.mark.slow
+def test_a_run_refused_by_the_run_lock_writes_nothing_into_the_live_runs_log(demo_data, tiny_models,  # noqa: F811
+                                                                             tmp_path):
+    """A second run (two ranks) into the folder of a live run: refused in one line, and the live run's train.log
+    stays byte for byte what it was (before, the refused run appended its command line and both ranks'
+    tracebacks to it: the console log is held in memory until the run lock is held, and dropped when it is
+    refused). Slow: one two-rank start-up (~20 s)."""
+    from trainer_runs import trainer_lines
+
+    out = tmp_path / "run"
+    holder = holder_process(out)
+    log = out / "train.log"
+    log.write_text("2026-01-01T00:00:00Z step 7/40 | the live run's own line\n")
+    before = log.read_bytes()
+    try:
+        proc = run_trainer("train_dppo.py", base_flags(tiny_models, demo_data, out), nproc=2, expect_ok=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0
+    lines = trainer_lines(proc)
+    assert [line for line in lines if "error:" in line] == lines and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: RunLockError: --output_dir {out} is in use by a live run (host "), lines
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert log.read_bytes() == before

@@ -215,3 +215,53 @@ def test_the_trainer_refuses_a_bad_input_before_loading_the_model(script, bad, m
     assert "loading the transformer" not in proc.stdout  # refused before any model was loaded
     assert not os.path.exists(os.path.join(flags["output_dir"], "rollout_logs"))  # and before any rollout worker
     assert elapsed < 60, elapsed  # torchrun + imports; the check itself is instant
+
+
+def nul_prompt(rows) -> None:
+    rows[0]["prompt"][-1]["content"] = "\x00\x00\x00"
+
+
+def test_a_prompt_of_control_characters_only_is_empty(flags, tmp_path):
+    """Three NUL characters passed the empty-prompt check (they are not whitespace) and reached the text encoder."""
+    bad = rewrite(flags["train_files"], tmp_path / "nul.parquet", nul_prompt)
+    refused(cli(**{**flags, "train_files": bad}), rf"--train_files: {re.escape(bad)}: row 0, column 'prompt': the user "
+                                                  r"message has no printable text \('\\x00\\x00\\x00'\)")
+    from data_prep.dataset import has_printable_text
+
+    assert has_printable_text("a\x00") and not has_printable_text("\x00\t \u200b\x7f")
+
+
+@pytest.mark.slow  # the real trainer CLI under torchrun (start-up and imports: tens of seconds on 2 cores)
+def test_the_trainer_refuses_a_nul_prompt_in_one_line(flags, tmp_path):
+    flags["train_files"] = rewrite(flags["train_files"], tmp_path / "nul.parquet", nul_prompt)
+    proc = run_trainer("train_nft.py", cli(**flags), nproc=1, expect_ok=False)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and re.search(r"row 0, column 'prompt': the user message has no printable text "
+                                          r"\('\\x00\\x00\\x00'\); every row needs a prompt", errors[0]), proc.stderr
+    assert "loading the transformer" not in proc.stdout
+
+
+def test_the_collective_timeout_counts_the_judge_only_when_the_run_scores_it(flags, tmp_path):
+    """--collective_timeout_s was refused against a judge request's budget (727 s with the defaults) on a run
+    whose rewards include no HTTP judge; the budget counts when the rows or --reward_weights score `ocr`."""
+    short = dict(rollout_timeout_s=600, rollout_startup_timeout_s=600, collective_timeout_s=700)
+    jpeg = train_dppo.parse_args(cli(**flags, **short))
+    assert T.collective_timeout_s(jpeg) == 700.0
+    assert T.collective_timeout_s(train_dppo.parse_args(cli(**flags, **{**short, "collective_timeout_s": 0}))) == \
+        600.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
+    ocr = rewrite(flags["train_files"], tmp_path / "ocr.parquet",
+                  lambda rows: [row.update(data_source="ocr") for row in rows])
+    for judged in (cli(**{**flags, "train_files": ocr}, **short),
+                   cli(**flags, **short, reward_weights="jpeg_compressibility=1,ocr=0.5")):
+        with pytest.raises(ValueError, match=r"--collective_timeout_s 700 is not above a judge request .* \(727 s\)"):
+            T.collective_timeout_s(train_dppo.parse_args(judged))
+    assert T.collective_timeout_s(train_dppo.parse_args(cli(**{**flags, "train_files": ocr}, **short,
+                                                            ocr_backend="rapidocr"))) == 700.0
+
+
+@pytest.mark.slow  # one training step through the real trainer CLI (~30 s)
+def test_a_run_without_a_judge_takes_a_collective_timeout_below_the_judges_budget(flags, tmp_path):
+    argv = cli(**flags, rollout_timeout_s=600, rollout_startup_timeout_s=600, collective_timeout_s=700)
+    proc = run_trainer("train_dppo.py", argv, nproc=1)
+    assert "step 1/1" in proc.stdout and "saved checkpoint" in proc.stdout, proc.stdout[-3000:]

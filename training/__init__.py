@@ -51,7 +51,7 @@ from __future__ import annotations
 from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_rank, launch_rank, get_world_size,
                           get_local_rank, is_main_process, is_local_main_process, barrier, all_gather_cat,
                           seed_everything, RankFailed, raise_if_any_rank_failed, on_rank0, collective_timeout_s,
-                          COLLECTIVE_TIMEOUT_MARGIN_S)
+                          COLLECTIVE_TIMEOUT_MARGIN_S, scores_http_judge)
 # 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors (`_full`: not public, tests use it)
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter,
                     apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
@@ -72,13 +72,15 @@ from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapte
                          save_checkpoint, GatheredState, gather_checkpoint, write_checkpoint, save_gathered,
                          find_latest, verify_checkpoint, clean_orphans, check_resume_config, load_checkpoint,
                          unverified_adapter_line, earlier_verified_checkpoint, earlier_adapter_advice,
-                         verified_run_config, run_settings, explicit_flags, set_defaults_from_checkpoint)
+                         verified_run_config, run_settings, explicit_flags, set_defaults_from_checkpoint,
+                         read_run_config)
 from .resume import ResumePlan, prepare_resume
 # 6. TensorBoard, metric reduction, image grids, timers, run metadata, the console log
 from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, timer, image_grid,
                    sample_caption, rollout_grid, prompt_text, all_gather_objects, gather_first_images, Progress,
-                   git_commit, write_run_metadata, read_run_config, set_defaults_from_run, tee_console, log_only,
-                   log_time, run_summary, LOG_FILE, HelpFormatter)
+                   git_commit, write_run_metadata, tee_console, log_only,
+                   log_time, run_summary, LOG_FILE, HelpFormatter, console_log_path, discard_console_log,
+                   blank_unscored_rewards)
 # 7. throughput, MFU per phase, peak memory: one call per trainer step
 from .perf import (perf_metrics, PEAK_TFLOPS_ENV, device_peak_flops, rollout_device_count, transformer_flops,
                    phase_perf_metrics, nft_perf_metrics, dppo_perf_metrics)
@@ -113,7 +115,8 @@ from .cli import ArgumentParser, run_cli, suggest_flags, one_line_error
 # 17. run lock, parent watchdog, heartbeats
 from .lifecycle import (RUN_LOCK, RunLockError, RunLock, pid_alive, describe_holder, watch_parent, silent_ranks,
                         describe_silent, start_heartbeats, install_collective_explainer, collective_explanation,
-                        HEARTBEAT_STALE_S)
+                        HEARTBEAT_STALE_S, run_lock_held, STOP_SIGNALS, StoppedBySignal, stop_at_once_on_signals,
+                        signal_stop_line, DISK_FULL_ERRNOS, is_disk_full, free_space_text, disk_full_line)
 
 # every public name above, module by module (each module's own __all__)
 __all__ = [name for module in (distributed, model, optim, data, resume_policy, checkpoint, resume,  # noqa: F821

@@ -50,7 +50,7 @@ from .resume_policy import RESUME_MUTABLE_KEYS, _hash_files, _logged_values, con
 __all__ = [
     "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "unverified_adapter_line",
     "earlier_verified_checkpoint", "earlier_adapter_advice", "verified_run_config", "run_settings",
-    "explicit_flags", "set_defaults_from_checkpoint", "MARKER",
+    "explicit_flags", "set_defaults_from_checkpoint", "read_run_config", "MARKER",
     "CHECKPOINT_FORMAT", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
     "GatheredState", "gather_checkpoint", "write_checkpoint", "save_gathered",
     "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config",
@@ -322,6 +322,16 @@ def _newest_complete(root: str) -> str | None:
     return os.path.join(root, f"step_{steps[-1]:08d}") if steps else None
 
 
+def read_run_config(run_dir: str) -> dict[str, Any]:
+    """The trainer flags a run was started with: `<run_dir>/run_metadata.json` ["config"] (`write_run_metadata`)."""
+    path = os.path.join(run_dir, "run_metadata.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: --run_dir must be a trainer's --output_dir (it holds "
+                                "run_metadata.json)")
+    with open(path, encoding="utf-8") as f:
+        return dict(json.load(f)["config"])
+
+
 def run_settings(run_dir: str, mapping: Mapping[str, str],
                  explicit: Iterable[str] = ()) -> tuple[dict[str, Any], str]:
     """({dest: value}, the line saying where they come from): the settings of the trainer run `run_dir` for the
@@ -331,8 +341,6 @@ def run_settings(run_dir: str, mapping: Mapping[str, str],
     unless its flag is in `explicit` (given on the command line: that value is used, the recorded ones are not).
     Without a checkpoint that records settings, they come from run_metadata.json and the line says they are not
     verified. Model-free; raises ValueError / CheckpointError / FileNotFoundError naming the file and the fix."""
-    from .logs import read_run_config
-
     meta_path = os.path.join(run_dir, "run_metadata.json")
     ckpt = _newest_complete(os.path.join(run_dir, "checkpoints"))
     verified = verified_run_config(ckpt) if ckpt else {}

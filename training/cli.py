@@ -6,22 +6,25 @@ of each node (rank 0 on one machine: each node has its own console) and nothing 
 `run_cli` writes the full traceback of every rank to `<output_dir>/train.log` (`training.logs.tee_console`).
 torchrun's own ChildFailedError summary still follows the line: it is torchrun's. Errors that the ranks raise one
 by one (not relayed to every rank, e.g. a crash in one rank's own work) are printed by every rank that has them,
-prefixed "[rank N]".
+prefixed "[rank N]". A full disk is one line naming the disk, its free space and how to continue, whatever error it
+surfaced as; a stop signal during the start-up is one line and exit status 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
+import signal
 import sys
 import traceback
 from typing import Callable, Iterable, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
 from .distributed import RankFailed, cleanup_distributed, get_local_rank, launch_rank
-from .lifecycle import RunLockError, collective_explanation
-from .logs import HelpFormatter, log_only
+from .lifecycle import RunLockError, StoppedBySignal, collective_explanation, disk_full_line, signal_stop_line
+from .logs import HelpFormatter, console_log_path, log_only
 from .preflight import PreflightError
 
 __all__ = ["ArgumentParser", "run_cli", "suggest_flags", "one_line_error"]
@@ -68,31 +71,84 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+# the torchrun agent that started this rank (None outside torchrun): when it dies, a rank's next collective or store
+# call fails with gloo's "Connection reset by peer", whose cause is the agent's death (`agent_death_line`)
+AGENT_PID = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def agent_death_line(agent_pid: int | None) -> str | None:
+    """The cause to report when this rank's torchrun agent `agent_pid` has died (the rank was re-parented), else
+    None."""
+    if agent_pid is None or os.getppid() == agent_pid:
+        return None
+    return (f"the torchrun agent (pid {agent_pid}) died, so this rank lost its launcher and the rendezvous store; "
+            f"the last finished step is written when rank 0 got to it: start the run again with --resume auto")
+
+
 def run_cli(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
     """Run a trainer's `main(argv)`. An exception ends the process with status 1 after one line on the console
     (`error: Type: message`; for errors every rank raises alike, only each node's first rank) and its traceback in the run's log file
     (`<output_dir>/train.log`, every rank, "[rank N]"-prefixed); without a log file yet the traceback stays on the
-    console. SystemExit and KeyboardInterrupt pass through unchanged."""
+    console. An error a full disk caused is one line naming that disk, its free space and how to continue
+    (`lifecycle.disk_full_line`), never a traceback on the console. A stop signal during the start-up
+    (`lifecycle.StoppedBySignal`; a Ctrl-C before its handler, KeyboardInterrupt) is one line and exit status
+    128 + the signal number. SystemExit passes through unchanged."""
     try:
         main(argv)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
+    except StoppedBySignal as stop:
+        _stopped_by_signal(stop.signum)
+    except KeyboardInterrupt:
+        _stopped_by_signal(signal.SIGINT)
     except Exception as error:  # noqa: BLE001 (every failure gets its one line)
-        rank = launch_rank()
-        log = log_only("".join(traceback.format_exception(error)))
-        where = f" (traceback in {log})" if log else ""
-        if log is None and not isinstance(error, REFUSALS):
-            traceback.print_exception(error, file=sys.stderr)
-        if get_local_rank() == 0 or not isinstance(error, RELAYED_ERRORS):
-            prefix = "" if rank == 0 else f"[rank {rank}] "
-            explanation = collective_explanation(error)  # a frozen rank named before a bare collective timeout
-            if explanation:
-                sys.stderr.write(f"{prefix}{explanation}\n")
-            sys.stderr.write(f"{prefix}error: {one_line_error(error)}{where}\n")
-            sys.stderr.flush()
+        _report_error(error)
         if isinstance(error, REFUSALS):  # every rank refused alike, no collective is in flight: leave the group
             _leave_process_group()  # (exiting with it alive has aborted a rank with "terminate called ...")
         raise SystemExit(1) from None
+
+
+def _console_line(line: str) -> None:
+    """Write one line to stderr; a console or log that cannot be written never turns into a second error."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _report_error(error: BaseException) -> None:
+    """`run_cli`'s report of `error`: the traceback to the log (or, without one, to the console unless the error is
+    a refusal or a full disk), then its one line on the ranks that print it."""
+    rank = launch_rank()
+    log = log_only("".join(traceback.format_exception(error)))
+    where = f" (traceback in {log})" if log else ""
+    log_path = console_log_path()
+    full = disk_full_line(error, os.path.dirname(log_path) if log_path else os.getcwd())
+    if log is None and not isinstance(error, REFUSALS) and full is None:
+        try:
+            traceback.print_exception(error, file=sys.stderr)
+        except (OSError, ValueError):
+            pass
+    if get_local_rank() == 0 or not isinstance(error, RELAYED_ERRORS):
+        prefix = "" if rank == 0 else f"[rank {rank}] "
+        # the cause first: a dead agent, or a frozen rank named before a bare collective timeout
+        explanation = agent_death_line(AGENT_PID) or collective_explanation(error)
+        if explanation:
+            _console_line(f"{prefix}{explanation}")
+        _console_line(f"{prefix}error: {full or one_line_error(error)}{where}")
+
+
+def _stopped_by_signal(signum: int) -> NoReturn:
+    """A stop signal before the training loop: one line (each node's first rank; every rank's in the log), leave
+    the process group, exit with 128 + `signum`."""
+    line = signal_stop_line(signum)
+    if get_local_rank() == 0:
+        _console_line(line)
+    else:
+        log_only(line)
+    _leave_process_group()
+    raise SystemExit(128 + signum) from None
 
 
 def _leave_process_group() -> None:

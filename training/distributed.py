@@ -15,7 +15,7 @@ import torch.distributed as dist
 __all__ = [
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "launch_rank", "get_world_size", "get_local_rank",
     "is_main_process", "is_local_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
-    "raise_if_any_rank_failed", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S"
+    "raise_if_any_rank_failed", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S", "scores_http_judge"
 ]
 
 # What a collective waits beyond the longest per-phase timeout of the run before giving up (see collective_timeout_s)
@@ -75,7 +75,8 @@ def collective_timeout_s(args: Any) -> float:
     --rollout_timeout_s for a silent rollout worker or --rollout_startup_timeout_s for one that starts, a judge
     request of up to (--genrm_max_retries + 1) x --genrm_timeout_s + backoff), the other ranks wait in a collective;
     it must outlast the phase so that they hear the phase's own error (which the failing rank sends them) rather than
-    dying first in a bare timeout. An explicit value not above every phase timeout raises ValueError naming them."""
+    dying first in a bare timeout; the judge counts only for a run that scores it (`scores_http_judge`). An explicit
+    value not above every phase timeout raises ValueError naming them."""
     import rewards
 
     phases = {
@@ -84,7 +85,7 @@ def collective_timeout_s(args: Any) -> float:
         "a judge request ((--genrm_max_retries + 1) x --genrm_timeout_s + backoff + --genrm_retry_total_s)":
             rewards.genrm_request_budget_s(args.genrm_timeout_s, args.genrm_max_retries, args.genrm_backoff_s,
                                            getattr(args, "genrm_retry_total_s", 0.0))
-            if args.ocr_backend == "http" else 0.0,
+            if scores_http_judge(args) else 0.0,
     }
     longest_flag, longest = max(phases.items(), key=lambda item: item[1])
     chosen = getattr(args, "collective_timeout_s", None)
@@ -95,6 +96,35 @@ def collective_timeout_s(args: Any) -> float:
                          f"waiting for that phase would time out before its error reaches them; pass a larger "
                          f"value or 0 (= the longest phase timeout + {COLLECTIVE_TIMEOUT_MARGIN_S:g} s)")
     return float(chosen)
+
+
+def scores_http_judge(args: Any) -> bool:
+    """Whether the run scores the OCR reward through the HTTP judge (--ocr_backend http): "ocr" among
+    --reward_weights, else among the data_source values of --train_files / --val_files (that column only). A file
+    that cannot be read counts as scoring it: the dataset checks report the file, the judge's budget stays counted
+    until then."""
+    if getattr(args, "ocr_backend", "http") != "http":
+        return False
+    if getattr(args, "reward_weights", None):
+        import rewards
+
+        try:
+            return "ocr" in rewards.parse_reward_weights(args.reward_weights)
+        except ValueError:
+            return True
+    import pyarrow.parquet as pq
+
+    for flag in ("train_files", "val_files"):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        try:
+            sources = pq.read_table(os.path.expanduser(str(path)), columns=["data_source"]).column(0).to_pylist()
+        except Exception:  # noqa: BLE001 - missing, unreadable, no data_source column: check_datasets names it
+            return True
+        if "ocr" in sources:
+            return True
+    return False
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,19 @@
 <output_dir>/RUN_LOCK holding who holds it), no orphans (`watch_parent`: a trainer rank whose torchrun agent died
 exits, and its rollout workers die with it through their parent-death signal, `engines.worker._die_with_parent`), and a
 frozen rank named (`start_heartbeats`, `install_collective_explainer`: heartbeat files under
-<output_dir>/.heartbeats)."""
+<output_dir>/.heartbeats), a stop signal during the start-up ended at once in one line (`stop_at_once_on_signals`,
+`StoppedBySignal`), and a full disk named as one, whatever error it surfaced as (`disk_full_line`)."""
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import fcntl
 import json
 import os
+import shutil
+import signal
 import socket
 import sys
 import threading
@@ -20,7 +24,8 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["RUN_LOCK", "RunLockError", "RunLock", "pid_alive", "describe_holder", "watch_parent", "silent_ranks",
            "describe_silent", "start_heartbeats", "install_collective_explainer", "collective_explanation",
-           "HEARTBEAT_STALE_S"]
+           "HEARTBEAT_STALE_S", "run_lock_held", "STOP_SIGNALS", "StoppedBySignal", "stop_at_once_on_signals",
+           "signal_stop_line", "DISK_FULL_ERRNOS", "is_disk_full", "free_space_text", "disk_full_line"]
 
 RUN_LOCK = "RUN_LOCK"
 
@@ -117,6 +122,24 @@ class RunLock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
+
+
+def run_lock_held(output_dir: str) -> bool:
+    """Whether a live process holds <output_dir>/RUN_LOCK (an exclusive `flock` that a shared, non-blocking one
+    cannot join); False when there is no lock file or it cannot be read."""
+    try:
+        fd = os.open(os.path.join(output_dir, RUN_LOCK), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also drops the shared lock
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
@@ -275,7 +298,116 @@ def install_collective_explainer(output_dir: str, world: int, *, stale_s: float 
     def hook(kind, value, tb) -> None:
         line = collective_explanation(value)
         if line:
-            print(line, file=sys.stderr, flush=True)
+            try:
+                print(line, file=sys.stderr, flush=True)
+            except (OSError, ValueError):  # a lost console or a full disk under the log: the error still shows
+                pass
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+# the signals that stop a run: a scheduler's SIGTERM, a terminal's Ctrl-C (SIGINT) and a closed terminal or SSH
+# session (SIGHUP, which torchrun forwards to the ranks like the other two)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class StoppedBySignal(BaseException):
+    """A stop signal during the start-up (flags, checks, model load, rollout workers), before any step ran: there is
+    nothing to save, so the start-up ends at once; `training.cli.run_cli` prints one line and exits with 128 + the
+    signal number. A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+
+
+def signal_stop_line(signum: int) -> str:
+    """The one line of a run stopped by signal `signum` during its start-up."""
+    name = signal.Signals(signum).name
+    return (f"stopped by {name} during the start-up, before any step ran (nothing to save); start it again with "
+            f"--resume auto and the same flags")
+
+
+def stop_at_once_on_signals(repeat_after_s: float = 3.0) -> None:
+    """The start-up's handling of the `STOP_SIGNALS` (main thread only): the first raises `StoppedBySignal` in the
+    main thread, wherever it is (a model load, a wait for the rollout workers); repeats within `repeat_after_s`
+    are the same request (torchrun forwards a terminal's Ctrl-C that the ranks also received), a later one (an
+    operator's second Ctrl-C while the stop is still unwinding) ends the process at once by that signal.
+    `training.run.StopSignals` replaces these handlers once the training loop can stop at a step boundary."""
+    first: list[float] = []
+
+    def handle(signum: int, frame) -> None:
+        if not first:
+            first.append(time.monotonic())
+            raise StoppedBySignal(signum)
+        if time.monotonic() - first[0] > repeat_after_s:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handle)
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# the same failures, as text: an error relayed from another rank (`RankFailed`, `on_rank0`) keeps only its message;
+# torch's PyTorchStreamWriter reports a short write ("unexpected pos N vs M") without the errno of the full disk
+_DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "StorageFull", "unexpected pos ")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it was raised from or during (__cause__, __context__), each once."""
+    seen: list[BaseException] = []
+    while error is not None and not any(error is e for e in seen):
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` (or one it was raised from) is a full disk or an exhausted quota: an OSError with ENOSPC or
+    EDQUOT, or a message that says so (an error relayed from another rank, torch's short write, safetensors')."""
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+        if any(text in str(e) for text in _DISK_FULL_TEXTS):
+            return True
+    return False
+
+
+def _existing_folder(path: str) -> str:
+    """The nearest folder at or above `path` that exists (the disk a file that could not be written is on)."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _size_text(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def free_space_text(path: str) -> str:
+    """'1.2 GB free' on the disk of `path` (for the user running the run), or '' when it cannot be read."""
+    try:
+        return f"{_size_text(shutil.disk_usage(_existing_folder(path)).free)} free"
+    except OSError:
+        return ""
+
+
+def disk_full_line(error: BaseException, where: str) -> str | None:
+    """One line for an error that a full disk caused (`is_disk_full`), naming the disk (the folder of the file that
+    could not be written, else `where`, e.g. the run's --output_dir), its free space and how to continue; None for
+    any other error."""
+    if not is_disk_full(error):
+        return None
+    names = [e.filename for e in _chain(error) if isinstance(e, OSError) and isinstance(e.filename, str)]
+    folder = _existing_folder(os.path.dirname(os.path.abspath(names[0])) if names else where)
+    free = free_space_text(folder)
+    return (f"the disk of {folder} is full (no space left on device{'; ' + free if free else ''}): nothing already "
+            f"saved was damaged; free space there (or give the run a larger disk), then continue with --resume auto "
+            f"and the same flags")

@@ -1,7 +1,8 @@
 """Logging: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
-`critic/*` reward/advantage stats, validation keys, image grids (over every rank's samples), a progress line with
-ETA, timers, run metadata (and reading it back for the after-training scripts), the console log file, and the
-`--help` formatter that shows defaults."""
+`critic/*` reward/advantage stats (over the scored samples only: NaN, never 0.0, for a step that scored none),
+validation keys, image grids (over every rank's samples), a progress line with ETA, timers, run metadata (and
+reading it back for the after-training scripts), the console log file (held until the run holds its run lock; a full
+disk under it never breaks the run or its error report), and the `--help` formatter that shows defaults."""
 
 from __future__ import annotations
 
@@ -19,19 +20,21 @@ import sys
 import textwrap
 import time
 import uuid
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .distributed import get_rank, get_world_size, is_main_process, launch_rank
 from .checkpoint import library_versions
+from .lifecycle import free_space_text, is_disk_full, run_lock_held
 
 __all__ = [
     "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "timer", "image_grid",
     "sample_caption", "rollout_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress",
-    "git_commit", "write_run_metadata", "read_run_config", "set_defaults_from_run", "tee_console", "log_only",
-    "log_time", "run_summary", "LOG_FILE", "HelpFormatter",
+    "git_commit", "write_run_metadata", "tee_console", "log_only",
+    "log_time", "run_summary", "LOG_FILE", "HelpFormatter", "console_log_path", "discard_console_log",
+    "blank_unscored_rewards",
 ]
 
 
@@ -48,9 +51,11 @@ class TensorBoardLogger:
             self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def log_scalars(self, metrics: Mapping[str, float], step: int) -> None:
+        """Every metric as a scalar at `step`; the reward stats of a step that scored no sample are NaN (a gap in the
+        chart, `blank_unscored_rewards`)."""
         if self.writer is None:
             return
-        for key, value in metrics.items():
+        for key, value in blank_unscored_rewards(metrics).items():
             value = float(value)
             self.writer.add_scalar(key, value, global_step=step)
 
@@ -120,6 +125,7 @@ def reward_metrics(
     uids: Sequence[Any],
     advantages: torch.Tensor | None = None,
     extras: Mapping[str, Sequence[float]] | None = None,
+    scored: Sequence[bool] | torch.Tensor | None = None,
 ) -> dict[str, float]:
     """`critic/rewards/*`, `critic/advantages/*` and `critic/<extra>/mean` over the global batch (verl-omni names
     and definitions).
@@ -128,22 +134,21 @@ def reward_metrics(
     any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid. extras: numeric
     per-sample reward extras (e.g. {"pickscore_raw": [...], "reward/ocr": [...]}) -> `critic/<key>/mean`; an extra
     named `*_frac` holds a 0/1 flag per sample and is logged as the fraction `critic/<key>` (e.g.
-    `critic/reward/ocr/empty_reply_frac`, the judge's empty replies).
+    `critic/reward/ocr/empty_reply_frac`, the judge's empty replies). scored: (B,) which samples a reward scored
+    (default: those with a finite reward): the reward stats are over those only, and NaN (a gap in TensorBoard,
+    `n/a` on the console) when there is none, e.g. a step whose samples all came back non-finite; never the 0.0 of
+    a placeholder.
     """
     r = rewards.detach().float().cpu()
     if r.ndim == 2:
         r = r.mean(dim=1)
     if r.ndim != 1 or len(uids) != r.shape[0]:
         raise ValueError(f"rewards must be (B,) or (B, T) with B = len(uids) = {len(uids)}, got {tuple(rewards.shape)}")
-    out = {"critic/rewards/mean": float(r.mean()), "critic/rewards/max": float(r.max()),
-           "critic/rewards/min": float(r.min())}
-    uid_arr = np.asarray([str(u) for u in uids])
-    r_np = r.numpy().astype(np.float64)
-    groups = np.unique(uid_arr)
-    stds = np.array([np.std(r_np[uid_arr == u]) for u in groups])
-    out["critic/rewards/zero_std_ratio"] = float(np.mean(stds == 0))
-    out["critic/rewards/std_mean"] = float(np.mean(stds))
-    out["critic/rewards/group_size"] = float(len(r_np) / len(groups))
+    keep = torch.isfinite(r)
+    if scored is not None:
+        keep &= torch.as_tensor(scored, dtype=torch.bool).reshape(-1).cpu()
+    out = _reward_stats(r[keep].numpy().astype(np.float64), np.asarray([str(u) for u in uids])[keep.numpy()])
+    out["critic/rewards/group_size"] = float(len(uids) / len(set(str(u) for u in uids)))
     if advantages is not None:
         a = advantages.detach().float()
         out.update({"critic/advantages/mean": float(a.mean()), "critic/advantages/max": float(a.max()),
@@ -155,6 +160,33 @@ def reward_metrics(
         if np.isfinite(values).any():  # NaN marks samples another reward scored (mixed data sources)
             # an extra named *_frac is a 0/1 flag per sample: its mean is the fraction itself
             out[f"critic/{key}" if key.endswith("_frac") else f"critic/{key}/mean"] = float(np.nanmean(values))
+    return out
+
+
+UNSCORED_KEYS = ("critic/rewards/mean", "critic/rewards/max", "critic/rewards/min", "critic/rewards/zero_std_ratio",
+                 "critic/rewards/std_mean")
+
+
+def _reward_stats(r_np: np.ndarray, uid_arr: np.ndarray) -> dict[str, float]:
+    """mean / max / min / zero_std_ratio / std_mean of the scored rewards `r_np` (their prompt ids `uid_arr`);
+    NaN for every one when no sample was scored."""
+    if not len(r_np):
+        return {key: float("nan") for key in UNSCORED_KEYS}
+    groups = np.unique(uid_arr)
+    stds = np.array([np.std(r_np[uid_arr == u]) for u in groups])
+    return {"critic/rewards/mean": float(r_np.mean()), "critic/rewards/max": float(r_np.max()),
+            "critic/rewards/min": float(r_np.min()), "critic/rewards/zero_std_ratio": float(np.mean(stds == 0)),
+            "critic/rewards/std_mean": float(np.mean(stds))}
+
+
+def blank_unscored_rewards(metrics: Mapping[str, float]) -> dict[str, float]:
+    """`metrics` of a step whose samples were all non-finite (`rollout/nonfinite_samples` = `perf/total_num_images`:
+    no reward scored anything) with the reward stats NaN: the 0.0 placeholders they were computed from would chart
+    as a jump exactly where the policy broke. Other steps' metrics are returned unchanged."""
+    out = dict(metrics)
+    total, nonfinite = out.get("perf/total_num_images", 0.0), out.get("rollout/nonfinite_samples", 0.0)
+    if total > 0 and nonfinite >= total:
+        out.update({key: float("nan") for key in UNSCORED_KEYS if key in out})
     return out
 
 
@@ -318,9 +350,12 @@ class Progress:
         remaining = max(self.total_steps - step, 0)
         eta = datetime.timedelta(seconds=int(round(remaining * sum(times) / len(times))))
         parts = [f"step {step}/{self.total_steps}", f"{step_time_s:.2f}s/step", f"ETA {eta}"]
+        shown = blank_unscored_rewards(metrics or {})
         for k in keys:
-            if metrics and k in metrics:
-                parts.append(f"{k.split('/', 1)[-1]} {metrics[k]:.4g}")
+            if k in shown:
+                value = shown[k]
+                text = "n/a" if k in UNSCORED_KEYS and value != value else f"{value:.4g}"  # n/a: nothing scored
+                parts.append(f"{k.split('/', 1)[-1]} {text}")
         return " | ".join(parts)
 
 
@@ -383,26 +418,6 @@ def write_run_metadata(out_dir: str, config: Mapping[str, Any], *, seeds: Mappin
     return meta
 
 
-def read_run_config(run_dir: str) -> dict[str, Any]:
-    """The trainer flags a run was started with: `<run_dir>/run_metadata.json` ["config"] (`write_run_metadata`)."""
-    path = os.path.join(run_dir, "run_metadata.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: --run_dir must be a trainer's --output_dir (it holds "
-                                "run_metadata.json)")
-    with open(path, encoding="utf-8") as f:
-        return dict(json.load(f)["config"])
-
-
-def set_defaults_from_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
-                          mapping: Mapping[str, str]) -> None:
-    """With `--run_dir DIR` among argv, make the run's trainer flags the parser's defaults: flag `dest` defaults
-    to the run's `mapping[dest]`; flags given explicitly still win. The parser must define --run_dir."""
-    known, _ = parser.parse_known_args(argv)
-    if known.run_dir:
-        config = read_run_config(known.run_dir)
-        parser.set_defaults(**{dest: config[key] for dest, key in mapping.items() if key in config})
-
-
 LOG_FILE = "train.log"
 
 
@@ -411,11 +426,89 @@ def log_time() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class _Tee:
-    """A text stream that also appends every complete line to a log file, after the time (`log_time`) and a prefix
-    (e.g. "[rank 1] ")."""
+class _LogFile:
+    """<output_dir>/train.log as the console tees append to it (opened at the first line written). Held
+    (`tee_console(hold=True)`): the lines wait in memory until `release`, so that a run which has not taken its run
+    lock yet never writes into the log of another live run in the same folder (`discard` drops them; `settle`
+    decides at the end). A write that fails (a full disk, a lost mount) ends the file logging with one warning on
+    the console (`warn`), never the run or the error report that may follow."""
 
-    def __init__(self, stream: Any, log: Any, prefix: str) -> None:
+    def __init__(self, path: str, *, held: bool, warn: Callable[[str], None]) -> None:
+        self.name, self.held, self.warn = path, held, warn
+        self.pending: list[str] = []
+        self.file: Any = None
+        self.failed = False     # a write failed: nothing more is written
+        self.discarded = False  # the folder is another live run's: nothing is written
+
+    @property
+    def usable(self) -> bool:
+        """Whether lines written now reach the file (now or, held, once released)."""
+        return not (self.failed or self.discarded)
+
+    def write(self, text: str, *, quiet: bool = False) -> None:
+        """Append `text` (held: keep it); a failure is reported once through `warn` unless `quiet`."""
+        if not self.usable:
+            return
+        if self.held:
+            self.pending.append(text)
+            return
+        try:
+            if self.file is None:
+                os.makedirs(os.path.dirname(self.name) or ".", exist_ok=True)
+                self.file = open(self.name, "a", encoding="utf-8")
+            self.file.write(text)
+            self.file.flush()
+        except (OSError, ValueError) as e:  # ValueError: written after close
+            self.failed = True
+            if not quiet and isinstance(e, OSError):
+                self.warn(self._failure_line(e))
+
+    def _failure_line(self, error: OSError) -> str:
+        if is_disk_full(error):
+            free = free_space_text(self.name)
+            why = f"its disk is full{' (' + free + ')' if free else ''}"
+        else:
+            why = f"{type(error).__name__}: {error}"
+        return (f"WARNING: the console log {self.name} cannot be written any more ({why}); the run goes on, its "
+                f"console is no longer logged there")
+
+    def release(self, *, quiet: bool = False) -> None:
+        """Write the held lines, and every later one, to the file."""
+        if self.held:
+            self.held = False
+            text, self.pending = "".join(self.pending), []
+            if text:
+                self.write(text, quiet=quiet)
+
+    def discard(self) -> None:
+        """Drop the held lines and every later one: the folder is another live run's."""
+        self.discarded, self.pending = True, []
+
+    def settle(self, *, quiet: bool = False) -> None:
+        """A held log whose run never got to its run lock (a start-up error, a stop): write it, unless a live run
+        holds <output_dir>/RUN_LOCK (that run's train.log is not this one's to write into); then drop it."""
+        if self.held and self.usable:
+            if run_lock_held(os.path.dirname(self.name)):
+                self.discard()
+            else:
+                self.release(quiet=quiet)
+
+    def close(self) -> None:
+        """At exit: settle a held log (quietly: the run's own last line said what went wrong), close the file."""
+        self.settle(quiet=True)
+        if self.file is not None:
+            file, self.file = self.file, None  # a later line (another exit hook) opens it again
+            try:
+                file.close()
+            except OSError:
+                pass
+
+
+class _Tee:
+    """A text stream that also appends every complete line to a log file (`_LogFile`), after the time (`log_time`)
+    and a prefix (e.g. "[rank 1] ")."""
+
+    def __init__(self, stream: Any, log: _LogFile, prefix: str) -> None:
         self.stream, self.log, self.prefix, self.pending = stream, log, prefix, ""
         self.console_lost = False
 
@@ -431,7 +524,6 @@ class _Tee:
             lines, self.pending = self.pending.rsplit("\n", 1)
             now = log_time()
             self.log.write("".join(f"{now} {self.prefix}{line}\n" for line in lines.split("\n")))
-            self.log.flush()
         return n
 
     def flush(self) -> None:
@@ -442,27 +534,42 @@ class _Tee:
                 self.console_lost = True
 
     def close_log(self) -> None:
+        """At exit: write a last unfinished line (the log file itself is closed once, by `tee_console`'s hook)."""
         if self.pending:
-            self.log.write(f"{log_time()} {self.prefix}{self.pending}\n")
+            self.log.write(f"{log_time()} {self.prefix}{self.pending}\n", quiet=True)
             self.pending = ""
-        self.log.flush()
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ... of the real stream
         return getattr(self.stream, name)
 
 
-def tee_console(output_dir: str) -> str:
+def _console_warning(stream: Any) -> Callable[[str], None]:
+    """A `_LogFile` warning printer on the real console `stream` (a lost console is ignored)."""
+    def warn(line: str) -> None:
+        try:
+            stream.write(line + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return warn
+
+
+def tee_console(output_dir: str, *, hold: bool = False) -> str:
     """Mirror the console into `<output_dir>/train.log` (appended, so a resumed run continues the same file), every
     line after its UTC time: rank 0's stdout and stderr, and every other rank's stderr with a "[rank N] " prefix
     (tracebacks and warnings of every rank land there). Python-level writes only (C/C++ libraries writing to the fds directly are not
-    captured). Works before the process group exists (the rank from torchrun's environment). Idempotent; returns
-    the log path."""
+    captured). Works before the process group exists (the rank from torchrun's environment). `hold`: keep the lines
+    in memory, not in the file, until a later `tee_console(output_dir)` (`setup_run`: once this run holds the run
+    lock of the folder) or, at exit, unless another live run holds it (`_LogFile.settle`); `discard_console_log`
+    drops them. Idempotent; returns the log path. A log that cannot be written (a full disk) warns once on the
+    console and the run goes on."""
     path = os.path.join(output_dir, LOG_FILE)
     if isinstance(sys.stderr, _Tee):
+        if not hold:
+            sys.stderr.log.release()
         return path
-    os.makedirs(output_dir, exist_ok=True)
-    log = open(path, "a", encoding="utf-8")
     rank = launch_rank()
+    log = _LogFile(path, held=hold, warn=_console_warning(sys.stderr))
     prefix = "" if rank == 0 else f"[rank {rank}] "
     tees = [_Tee(sys.stderr, log, prefix)]
     sys.stderr = tees[0]
@@ -471,21 +578,33 @@ def tee_console(output_dir: str) -> str:
         sys.stdout = tees[1]
         world = get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         log.write(f"{log_time()} ==== {' '.join(sys.argv)} ({world} ranks)\n")
-        log.flush()
-    atexit.register(lambda: [t.close_log() for t in tees])
+    atexit.register(lambda: ([t.close_log() for t in tees], log.close()))
     return path
+
+
+def console_log_path() -> str | None:
+    """The console log file `tee_console` mirrors into (held or not), or None without one."""
+    return sys.stderr.log.name if isinstance(sys.stderr, _Tee) else None
+
+
+def discard_console_log() -> None:
+    """Drop what the console log holds and every later line (`tee_console(hold=True)`): this run was refused the
+    run lock of its --output_dir, whose train.log belongs to the live run that holds it."""
+    if isinstance(sys.stderr, _Tee):
+        sys.stderr.log.discard()
 
 
 def log_only(text: str) -> str | None:
     """Append `text` to the console log file (`tee_console`), with this rank's line prefix, without showing it on
-    the console. Returns the log path, or None when no log file is open yet (nothing is written then)."""
+    the console (a held log is settled first: written, or dropped when another live run holds the folder).
+    Returns the log path, or None when no log file is open or it cannot be written (a full disk)."""
     tee = sys.stderr
     if not isinstance(tee, _Tee):
         return None
+    tee.log.settle(quiet=True)
     now = log_time()
-    tee.log.write("".join(f"{now} {tee.prefix}{line}\n" for line in text.rstrip("\n").split("\n")))
-    tee.log.flush()
-    return tee.log.name
+    tee.log.write("".join(f"{now} {tee.prefix}{line}\n" for line in text.rstrip("\n").split("\n")), quiet=True)
+    return tee.log.name if tee.log.usable else None
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

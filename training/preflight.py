@@ -8,14 +8,15 @@ advantages are group-relative) and the micro-batch size, a negative reward weigh
 --allow_negative_reward_weights, CUDA rollout devices on a host without CUDA, the collective timeout); the image
 size for the model family (`models.check_size_for`: reads model_index.json and vae/config.json only); the run's
 CFG scale (`flags.resolve_cfg_scale`: the other family's CFG flag is refused); every row of
---train_files and --val_files (`check_datasets`: the dataset's own row checks, a non-empty prompt, a data_source
-that names a reward, the ground truth a multi-reward needs, enough validation prompts for the ranks, at least
---train_batch_size training rows); what each reward needs (`check_rewards`: a PickScore folder); --init_adapter
-(`check_init_adapter`: this run's rank and alpha; the flag's type verified its manifest and finiteness); the output
-folder and its checkpoints/ can be written (`check_output_dir`); the prompts that Qwen-Image's --max_sequence_length
-cuts (`truncated_prompts`: counted, warned once by `setup_run`); one tiny request to the judge when an OCR reward is
-scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here: --reward_weights refuses it at
-parse time (`rewards.reward_weights_arg`).
+--train_files and --val_files (`check_datasets`: the dataset's own row checks, a prompt with printable text (not
+only NULs or other control characters), a data_source that names a reward, the ground truth a multi-reward needs,
+enough validation prompts for the ranks, at least --train_batch_size training rows); what each reward needs
+(`check_rewards`: a PickScore folder); --init_adapter (`check_init_adapter`: this run's rank and alpha; the flag's
+type verified its manifest and finiteness); the output folder and its checkpoints/ can be written
+(`check_output_dir`: a full disk is named as one, not as a permissions problem); the prompts that Qwen-Image's
+--max_sequence_length cuts (`truncated_prompts`: counted, warned once by `setup_run`); one tiny request to the judge
+when an OCR reward is scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here:
+--reward_weights refuses it at parse time (`rewards.reward_weights_arg`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .flags import resolve_cfg_scale
+from .lifecycle import disk_full_line
 
 __all__ = ["PreflightError", "run_preflight", "check_flags", "check_datasets", "check_rewards", "check_output_dir",
            "probe_judge", "rewards_used", "check_reward_signs", "check_rollout_devices", "check_init_adapter",
@@ -251,8 +253,20 @@ def check_output_dir(output_dir: str) -> None:
                 f.write(b"probe")
             os.remove(probe)
         except OSError as e:
+            _remove_quietly(probe)
+            full = disk_full_line(e, folder)
+            if full:  # not a permissions problem: say so, and how to continue
+                raise PreflightError(f"--output_dir {output_dir}: {full}") from None
             raise PreflightError(f"{folder} is not writable ({e.strerror or e}); checkpoints and logs go there: fix "
                                  f"its permissions or pass another --output_dir") from None
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove the write probe `path` if a failed write left it (a full disk creates the file, then fails)."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def probe_judge(args) -> float:

@@ -19,7 +19,8 @@ from models.base import attention_backend
 
 from .distributed import (RankFailed, cleanup_distributed, collective_timeout_s, get_rank, init_distributed,
                           on_rank0, raise_if_any_rank_failed, seed_everything)
-from .lifecycle import RunLock, RunLockError, install_collective_explainer, start_heartbeats, watch_parent
+from .lifecycle import (STOP_SIGNALS, RunLock, RunLockError, install_collective_explainer, start_heartbeats,
+                        stop_at_once_on_signals, watch_parent)
 from .preflight import PreflightError, check_flags, run_preflight
 from .profiling import ProfileWindow
 from .model import ADAPTER_DEFAULT, adapter_params, load_flow_model, prepare_transformer
@@ -30,7 +31,8 @@ from .checkpoint import (CheckpointError, GatheredState, _complete_steps, _on_ra
                          load_checkpoint, save_gathered, write_checkpoint)
 from .resume_policy import content_fingerprints
 from .resume import ResumePlan, prepare_resume
-from .logs import Progress, TensorBoardLogger, all_gather_objects, run_summary, tee_console, write_run_metadata
+from .logs import (Progress, TensorBoardLogger, all_gather_objects, discard_console_log, run_summary, tee_console,
+                   write_run_metadata)
 from .perf import perf_metrics
 from .flags import check_batch_sizes, parse_lora_init, resolve_device
 from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter
@@ -47,9 +49,9 @@ class TrainingDiverged(RuntimeError):
 FATAL_SAVE_EXCLUDED: tuple[type, ...] = (TrainingDiverged, CheckpointError)
 
 
-# the signals that stop a run at a step boundary with a checkpoint: a scheduler's SIGTERM, a terminal's Ctrl-C
-# (SIGINT) and a closed terminal or SSH session (SIGHUP, which torchrun forwards to the ranks like the other two)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# STOP_SIGNALS (lifecycle.py) stop a run at a step boundary with a checkpoint: a scheduler's SIGTERM, a terminal's
+# Ctrl-C (SIGINT) and a closed terminal or SSH session (SIGHUP, which torchrun forwards to the ranks like the other
+# two); during the start-up, before any step, they end it at once (`stop_at_once_on_signals`)
 
 
 class StopSignals:
@@ -502,6 +504,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     from rollout import DistributedRollout, check_rollout_python
 
     config = vars(args)
+    stop_at_once_on_signals()  # a stop signal before the loop: one line, exit 128 + signal (training.cli.run_cli)
     # under torchrun, a rank whose agent died (kill -9) exits instead of training on unsupervised (`Run._on_orphaned`
     # once the Run exists; before that, at once)
     orphaned: list[Any] = [lambda old, new: (_say(f"the torchrun agent (pid {old}) died during start-up: exiting",
@@ -510,10 +513,9 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
         watch_parent(lambda old, new: orphaned[0](old, new))
     # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
     # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
-    try:  # first, so that the traceback of any start-up error goes to <output_dir>/train.log (training.cli.run_cli);
-        tee_console(args.output_dir)  # a second run refused by the run lock below leaves its refusal there too
-    except OSError:
-        pass  # an --output_dir that cannot be written: preflight's check_output_dir names it and the fix
+    # first, so that the traceback of any start-up error goes to <output_dir>/train.log (training.cli.run_cli), held
+    # in memory until this run holds the folder's run lock: a run refused by it never writes into the live run's log
+    tee_console(args.output_dir, hold=True)
     check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
     group_timeout_s = collective_timeout_s(args)  # the main group's and the rollout node subgroups'
     dist_info = init_distributed(resolve_device(args.device), timeout_s=group_timeout_s)
@@ -523,9 +525,15 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     args.cfg_scale = found["cfg_scale"]  # the run's one CFG scale, resolved once (recorded in its config)
     # one live run per --output_dir (before the console log, TensorBoard, the resume tidying or any model)
     ranks = all_gather_objects({"host": socket.gethostname(), "pid": os.getpid()})
-    run_lock = on_rank0(lambda: RunLock.acquire(args.output_dir, ranks=ranks), catch=(RunLockError, OSError),
-                        exc_type=RunLockError)
-    tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors
+    try:
+        run_lock = on_rank0(lambda: RunLock.acquire(args.output_dir, ranks=ranks), catch=(RunLockError, OSError),
+                            exc_type=RunLockError)
+    except RunLockError:
+        discard_console_log()  # the folder's train.log is the live run's
+        raise
+    if rank == 0:  # a start-up that ends (an error, a stop signal) leaves the lock empty, like a clean end does
+        atexit.register(run_lock.release)
+    tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors, held lines first
     if world > 1:  # a rank frozen (SIGSTOP) or hung is named by rank 0, and in a collective's timeout error
         start_heartbeats(args.output_dir, rank, world, say=lambda line: _say(line, sys.stdout))
         install_collective_explainer(args.output_dir, world)

@@ -51,15 +51,15 @@ def nonfinite_rows(result) -> list[int]:
 
 def score_finite(scorer, images: torch.Tensor, inputs: dict[str, list], bad: Sequence[int] = ()):
     """`scorer.score_batch(images, **inputs)` over the rows not in `bad` only: a non-finite sample is never sent to
-    a reward. Its reward is a 0.0 placeholder (its step's update is skipped, see `rollout_and_score`), its extras
-    NaN and its texts None. With no bad row this is exactly one `score_batch` call over every row."""
+    a reward. Its reward is NaN (its step's update is skipped, see `rollout_and_score`; the reward statistics leave
+    it out), its extras NaN and its texts None. With no bad row this is exactly one `score_batch` call over every row."""
     import rewards
 
     if not bad:
         return scorer.score_batch(images, **inputs)
     n, bad_set = len(images), set(bad)
     good = [i for i in range(n) if i not in bad_set]
-    full = rewards.RewardResult(rewards=torch.zeros(n), extras={}, texts={})
+    full = rewards.RewardResult(rewards=torch.full((n,), float("nan")), extras={}, texts={})
     if not good:
         return full
     part = scorer.score_batch(images[good], **{key: [values[i] for i in good] for key, values in inputs.items()})
@@ -254,11 +254,12 @@ def global_advantages(scored, n: int, *, global_std: bool, norm_by_std: bool,
                       num_steps: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
     """Group advantages over the GLOBAL batch (every rank's rewards; a group never spans ranks) plus the
     `critic/*` metrics (reward extras included, NaN where a reward did not score a sample); returns this rank's
-    slice of the advantages. Collective."""
+    slice of the advantages. A non-finite sample's NaN reward counts as 0 in the advantages (its step's update is
+    skipped anyway) and is left out of the reward statistics. Collective."""
     all_rewards = all_gather_cat(scored.rewards.float())
     group_ids = [i // n for i in range(all_rewards.shape[0])]
-    advantages = losses.group_advantages(all_rewards, group_ids, global_std=global_std, norm_by_std=norm_by_std,
-                                         num_steps=num_steps)
+    advantages = losses.group_advantages(torch.nan_to_num(all_rewards, nan=0.0), group_ids, global_std=global_std,
+                                         norm_by_std=norm_by_std, num_steps=num_steps)
     extras = {key: all_gather_cat(values.float()).tolist() for key, values in sorted(scored.extras.items())}
     metrics = reward_metrics(all_rewards, group_ids, advantages, extras=extras)
     start = get_rank() * scored.rewards.shape[0]
