@@ -38,6 +38,24 @@ def test_misspelt_flag_is_one_line_with_a_suggestion(monkeypatch, capsys):
     assert T.suggest_flags("unrecognized arguments: --zzz", ["--lr"]) == "unrecognized arguments: --zzz"
 
 
+@pytest.mark.parametrize("trainer, flag, value, owner", [("train_dppo.py", "--mix_beta", "0.1", "train_nft.py"),
+                                                        ("train_nft.py", "--loss", "flow_grpo", "train_dppo.py")])
+def test_the_other_trainers_flag_is_named_as_such_and_never_abbreviated(monkeypatch, capsys, trainer, flag, value,
+                                                                        owner):
+    """--mix_beta given to train_dppo.py suggested --adam_betas; --loss given to train_nft.py was taken as an
+    abbreviation of --loss_metrics. Now each names the trainer that takes it."""
+    import train_nft
+
+    monkeypatch.setattr(sys, "argv", [trainer])
+    parse = {"train_dppo.py": train_dppo.parse_args, "train_nft.py": train_nft.parse_args}[trainer]
+    with pytest.raises(SystemExit) as info:
+        parse(["--model_path", "m", "--train_files", "t", flag, value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{trainer}: error: unrecognized arguments: {flag} {value}; {flag} is a flag of {owner}, not of this script "
+        f"(see {trainer} --help)"]
+
+
 def test_a_nodes_other_ranks_print_nothing_for_a_mistake_every_rank_sees(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")  # the second rank of a node (a node's first rank prints its own line)
@@ -111,3 +129,21 @@ def test_three_mistakes_under_torchrun_print_one_line_each(flags, tmp_path):
     line = error_line(run_trainer("train_dppo.py", cli(**{**flags, "train_files": tmp_path / "bad.parquet"}),
                                   expect_ok=False), flags["output_dir"])
     assert "row 0, column 'data_source': 'aesthetic' names no known reward" in line, line
+
+
+def test_help_states_each_default_once():
+    """A flag whose help already says what its None default means ("None = 4.0 ...", "default: --genrm_model") gets
+    no second "(default: None)"; every other flag keeps its "(default: X)"."""
+    import re
+    import subprocess
+    import sys
+
+    for trainer in ("train_nft.py", "train_dppo.py"):
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        text = subprocess.run([sys.executable, trainer, "--help"], cwd=repo, capture_output=True, text=True,
+                              env={**os.environ, "COLUMNS": "2000"}, check=True).stdout
+        helps = [line.strip() for line in text.split("options:", 1)[1].splitlines() if line.startswith("  ")]
+        twice = [h for h in helps if re.search(r"(default|None =).*\(default: None\)$", h, re.I)]
+        assert not twice, twice
+        assert any(h.endswith("(default: 42)") for h in helps)  # the others keep theirs
+        assert any("None = 4.0" in h and not h.endswith("(default: None)") for h in helps)

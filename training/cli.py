@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import traceback
-from typing import Callable, Iterable, NoReturn, Sequence
+from typing import Callable, Iterable, Mapping, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
 from .distributed import RankFailed, cleanup_distributed, get_local_rank, launch_rank
@@ -35,18 +35,38 @@ RELAYED_ERRORS: tuple[type[BaseException], ...] = (PreflightError, CheckpointErr
 REFUSALS: tuple[type[BaseException], ...] = (PreflightError, CheckpointError, RunLockError)
 
 
-def suggest_flags(message: str, flags: Iterable[str]) -> str:
-    """argparse's error `message` plus "did you mean --x?" for each unknown `--flag` in it that is close to one of
-    `flags` (difflib); the message unchanged when there is none."""
+def suggest_flags(message: str, flags: Iterable[str], elsewhere: Mapping[str, Iterable[str]] | None = None) -> str:
+    """argparse's error `message` plus, for each unknown `--flag` in it: "it is a flag of X" when the script X of
+    `elsewhere` ({script: its flags}) takes it exactly (e.g. --mix_beta given to train_dppo.py: a train_nft.py
+    flag), else "did you mean --x?" when it is close to one of `flags` (difflib); the message unchanged when there is
+    neither."""
     known = sorted(set(flags))
     hints = []
     for token in re.findall(r"(?<![\w-])(--[\w-]+)", message):
         if token in known:
             continue
+        owners = [script for script, theirs in (elsewhere or {}).items() if token in set(theirs)]
         close = difflib.get_close_matches(token, known, n=1, cutoff=0.6)
-        if close:
+        if owners:
+            hints.append(f"{token} is a flag of {' and '.join(owners)}, not of this script")
+        elif close:
             hints.append(f"{token}: did you mean {close[0]}?")
     return message + ("; " + "; ".join(hints) if hints else "")
+
+
+TRAINERS = ("train_nft.py", "train_dppo.py")
+
+
+def trainer_flags(script: str) -> set[str]:
+    """The `--flags` the trainer `script` (a file next to training/) defines, read from its source: its
+    `add_argument("--...")` calls (the shared flags of training/flags.py are not in it). Empty when unreadable."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), script)
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except OSError:
+        return set()
+    return set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", source))
 
 
 def one_line_error(error: BaseException) -> str:
@@ -56,17 +76,20 @@ def one_line_error(error: BaseException) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the trainers: `--help` shows every default (`HelpFormatter`), and a bad flag is one line on
-    each node's first rank only (`prog: error: <what>; did you mean --x? (see prog --help)`), exit status 2."""
+    """argparse for the trainers: `--help` shows every default (`HelpFormatter`), no abbreviated flags, and a bad
+    flag is one line on each node's first rank only (`prog: error: <what>; did you mean --x? (see prog --help)`, or
+    which trainer takes it), exit status 2."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # `--loss` on train_nft.py must not quietly mean --loss_metrics
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        others = {script: trainer_flags(script) for script in TRAINERS if script != self.prog}
         if get_local_rank() == 0:
-            sys.stderr.write(f"{self.prog}: error: {suggest_flags(message, flags)} (see {self.prog} --help)\n")
+            sys.stderr.write(f"{self.prog}: error: {suggest_flags(message, flags, others)} (see {self.prog} --help)\n")
             sys.stderr.flush()
         raise SystemExit(2)
 

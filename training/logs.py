@@ -610,6 +610,13 @@ def log_only(text: str) -> str | None:
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """`--help` with the module docstring as written and every flag's default, also for flags without help."""
 
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # a None default whose help already says what it means ("None = 4.0 ...", "default: --genrm_model") would
+        # print the default twice, once as a useless "(default: None)"
+        if action.default is None and action.help and ("default" in action.help.lower() or "None =" in action.help):
+            return action.help
+        return super()._get_help_string(action)
+
     def _format_action(self, action: argparse.Action) -> str:
         if not action.help and action.option_strings and action.default is not argparse.SUPPRESS:
             action = copy.copy(action)
