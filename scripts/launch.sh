@@ -47,6 +47,12 @@ command=("${PYTHON:-python3}" scripts/torchrun.py --nnodes "$NNODES" --node_rank
          --nproc_per_node "$NPROC_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
          ${extra[@]+"${extra[@]}"} "$@")
 shown=$((12 + ${#extra[@]} + 1))  # torchrun and its flags, then the trainer script
+if [ "${DRY_RUN:-0}" = 1 ]; then  # the resolved launch, nothing started
+  echo "launch.sh: dry run, node $NODE_RANK of $NNODES, $NPROC_PER_NODE trainer process(es) ($(( NPROC_PER_NODE * NNODES )) in all); would run:"
+  printf '%q ' "${command[@]}"
+  echo
+  exit 0
+fi
 echo "launch.sh: node $NODE_RANK of $NNODES, $NPROC_PER_NODE trainer process(es): ${command[*]:0:$shown} ..." >&2
 if [ -t 0 ] || [ -t 2 ]; then  # started from a terminal: closing it (SIGHUP) stops the run, with a checkpoint
   echo "launch.sh: closing this terminal stops the run at the end of its step, with a checkpoint; to keep it running" \

@@ -5,6 +5,9 @@
 # NPROC_PER_NODE x NNODES. TRAIN_BATCH / MINI_BATCH set the global sizes directly; one the GPUs do not divide stops
 # the recipe with a value that works.
 #
+# Dry run: DRY_RUN=1 bash scripts/run_....sh prints the resolved layout (the judge replicas it would start, the
+# torchrun line with the global batch sizes) and starts nothing.
+#
 # Judge (OCR recipes): GENRM_URLS="http://host:port,..." uses running servers; otherwise the recipe starts one vLLM
 # server per GENRM_TP GPUs of GENRM_GPUS on this node (GENRM_GPUS=4,5,6,7 GENRM_TP=2: two replicas on ports
 # GENRM_PORT and GENRM_PORT+1), and the trainer spreads its requests over them (--genrm_url, round-robin, a failing
@@ -83,7 +86,7 @@ flowrl_start_judges() {
     GENRM_URL=$GENRM_URLS
     return 0
   fi
-  if ! command -v "${VLLM_BIN:-vllm}" >/dev/null 2>&1; then
+  if [ "${DRY_RUN:-0}" != 1 ] && ! command -v "${VLLM_BIN:-vllm}" >/dev/null 2>&1; then
     echo "recipe: '${VLLM_BIN:-vllm}' is not installed to serve the OCR judge on this node: pip install vllm, or point the recipe at judge servers that run elsewhere with GENRM_URLS=http://HOST:PORT[,http://HOST2:PORT]" >&2
     return 2
   fi
@@ -98,9 +101,13 @@ flowrl_start_judges() {
   while [ $(( k * tp )) -lt ${#gpus[@]} ]; do
     local group
     group=$(IFS=,; echo "${gpus[*]:$(( k * tp )):$tp}")
-    pid=$(bash scripts/serve_genrm.sh --model "$model" --port $(( port + k )) --gpus "$group" --tp "$tp" \
-      --log "${log_prefix}_$k.log" | tail -n 1)
-    GENRM_PIDS+=("$pid")
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+      echo "recipe: dry run: would start judge replica $k ($model) on GPUs $group, port $(( port + k ))"
+    else
+      pid=$(bash scripts/serve_genrm.sh --model "$model" --port $(( port + k )) --gpus "$group" --tp "$tp" \
+        --log "${log_prefix}_$k.log" | tail -n 1)
+      GENRM_PIDS+=("$pid")
+    fi
     GENRM_URL="${GENRM_URL:+$GENRM_URL,}http://127.0.0.1:$(( port + k ))"
     k=$(( k + 1 ))
   done

@@ -38,7 +38,7 @@ TRAIN_BATCH=$(flowrl_global_batch TRAIN_BATCH "$PROMPTS_PER_GPU" "${TRAIN_BATCH:
 MINI_BATCH=$(flowrl_global_batch MINI_BATCH "$MINI_PROMPTS_PER_GPU" "${MINI_BATCH:-}")
 OUTPUT_DIR=${OUTPUT_DIR:-outputs/qwen_image_ocr_dppo_lora}
 flowrl_require_files TRAIN_FILES="$TRAIN_FILES" VAL_FILES="$VAL_FILES"
-mkdir -p "$OUTPUT_DIR"
+[ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$OUTPUT_DIR"
 
 flowrl_start_judges "$REWARD_MODEL_PATH" "$OUTPUT_DIR/genrm_server_node${NODE_RANK:-0}"
 trap flowrl_stop_judges EXIT

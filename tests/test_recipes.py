@@ -138,6 +138,23 @@ def test_the_recipes_check_their_data_models_and_judge_before_anything_starts(re
     assert not os.path.exists(recorder["RECORD"])  # no trainer was started
 
 
+def test_a_dry_run_prints_the_layout_and_starts_nothing(recorder, tmp_path):
+    """DRY_RUN=1: the judge replicas the recipe would start, the torchrun line with the global batch sizes; no judge,
+    no trainer and no output folder (vLLM need not be installed for it)."""
+    env = dict(recorder, DRY_RUN="1", NPROC_PER_NODE="3", GENRM_GPUS="4,5", VLLM_BIN=str(tmp_path / "no-vllm"))
+    proc = run("scripts/run_qwen_image_ocr_lora.sh", env, "--total_training_steps", "5")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[:2] == ["recipe: dry run: would start judge replica 0 (Qwen/Qwen3-VL-8B-Instruct) on GPUs 4, port 8000",
+                         "recipe: dry run: would start judge replica 1 (Qwen/Qwen3-VL-8B-Instruct) on GPUs 5, port 8001"]
+    assert lines[2] == "launch.sh: dry run, node 0 of 1, 3 trainer process(es) (3 in all); would run:"
+    argv = lines[3].split()
+    assert flag(argv, "--nproc_per_node") == "3" and flag(argv, "--train_batch_size") == "30"
+    assert flag(argv, "--genrm_url") == "http://127.0.0.1:8000\\,http://127.0.0.1:8001"  # as printed, shell-quoted
+    assert argv[-2:] == ["--total_training_steps", "5"]
+    assert not os.path.exists(recorder["RECORD"]) and not os.path.exists(recorder["OUTPUT_DIR"])
+
+
 def test_the_old_nproc_variable_is_refused_not_ignored(recorder):
     proc = run("scripts/run_qwen_image_ocr_lora.sh", dict(recorder, NPROC="2", GENRM_URLS="http://judge:8000"))
     assert proc.returncode == 2 and "NPROC is now NPROC_PER_NODE" in proc.stderr
