@@ -2,9 +2,9 @@
 r"""Score one or several adapters (e.g. the base vs step 0 vs step N) on a test parquet with the run's reward,
 exactly as in-training validation computes `val-core/<data_source>/reward/mean@1`, and print a comparison table.
 
-    python3 scripts/evaluate.py --run_dir outputs/run \
-        --adapters base outputs/run/checkpoints/step_00000030:old outputs/run/checkpoints/step_00000300:old
-    torchrun --nproc_per_node=4 scripts/evaluate.py --run_dir outputs/run --adapters base lora_dir/ ...
+    python3 scripts/evaluate.py --run_dir outputs/demo \
+        --adapters base outputs/demo/checkpoints/step_00000010:default outputs/demo/checkpoints/step_00000020:default
+    torchrun --nproc_per_node=4 scripts/evaluate.py --run_dir outputs/demo --adapters base lora_dir/ ...
 
 Each adapter is `base` (LoRA off), a PEFT folder, or a checkpoint folder with `:default` / `:old`, verified before any
 model loads and again where it is read (`training.verify_adapter_spec`: an adapter of a checkpoint, in either form,

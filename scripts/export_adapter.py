@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Export a trained LoRA adapter for the loader you use.
 
-    python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000030:default outputs/demo/peft_default
-    python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000030:old lora_vllm --format vllm_omni
+    python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000020:default outputs/demo/peft_default
+    python3 scripts/export_adapter.py outputs/demo/checkpoints/step_00000020:old lora_vllm --format vllm_omni
 
 The source is a PEFT adapter folder or a checkpoint folder with `:default` / `:old` (as for sample.py), read as
 every tool reads an adapter (`training.verify_adapter_spec`): an adapter of a checkpoint must match the checkpoint's

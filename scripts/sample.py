@@ -2,8 +2,8 @@
 r"""Images from prompts with a base model plus a trained LoRA adapter: Boogu-Image (T2I, and Edit with reference
 images) and Qwen-Image, on GPU or CPU, batched and seeded; `torchrun` spreads the prompts over GPUs.
 
-    python3 scripts/sample.py --run_dir outputs/run --adapter outputs/run/checkpoints/step_00000300:old \
-        --prompt 'A sign that says "OPEN"' --output_dir outputs/run/samples
+    python3 scripts/sample.py --run_dir outputs/demo --adapter outputs/demo/checkpoints/step_00000020:old \
+        --prompt 'A sign that says "OPEN"' --output_dir outputs/demo/samples
     torchrun --nproc_per_node=4 scripts/sample.py --model_path $MODEL_PATH --adapter lora_dir/ \
         --prompts prompts.txt --num_per_prompt 4 --output_dir samples/          # one prompt per line
     python3 scripts/sample.py --model_path $BOOGU_EDIT --parquet test.parquet --output_dir edits/   # rows' images

@@ -105,8 +105,8 @@ def test_readme_after_training_commands(nft_run, tmp_path):
     """The README's commands as written (paths substituted for the tiny run), then: evaluate.py's number for the
     validated adapter is the in-training validation's, bit for bit; sample.py under torchrun draws evaluate's images."""
     out, root = nft_run["out"], nft_run["root"]
-    subs = {"outputs/run": str(out), "outputs/*": str(root / "runs") + "/*", "step_00000300": "step_00000001",
-            "$VAL_FILES": str(root / "data" / "test.parquet")}
+    subs = {"outputs/demo/data/test.parquet": str(root / "data" / "test.parquet"), "outputs/demo": str(out),
+            "outputs/*": str(root / "runs") + "/*", "step_00000020": "step_00000001"}
     commands = readme_commands()
     assert [re.search(r"scripts/\w+\.py", c).group(0) for c in commands] == [
         "scripts/evaluate.py", "scripts/sample.py", "scripts/compare_runs.py"], commands
