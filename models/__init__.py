@@ -17,7 +17,15 @@ from types import SimpleNamespace
 
 from models.base import FlowModel, PromptEmbeds, check_image_size, read_json, vae_scale_factor
 
-__all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path", "check_size_for"]
+__all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path", "check_size_for",
+           "SAMPLING_DEFAULTS", "SAMPLING_KEYS", "sampling_defaults"]
+
+# A pipeline folder may say how it samples best (a model trained at another size than its family's 512^2, without
+# CFG, ...): `<folder>/sampling_defaults.json`, e.g. {"height": 128, "width": 128, "num_inference_steps": 20,
+# "true_cfg_scale": 1.0}; scripts/sample.py and scripts/evaluate.py take these as their defaults.
+SAMPLING_DEFAULTS = "sampling_defaults.json"
+SAMPLING_KEYS = {"height": int, "width": int, "num_inference_steps": int, "guidance_scale": float,
+                 "true_cfg_scale": float}
 
 FAMILIES = {
     "QwenImagePipeline": "qwen_image",
@@ -41,6 +49,27 @@ def resolve_model_path(path: str) -> str:
                 f"(huggingface-cli download {path}) and pass the local folder"
             ) from e
     raise FileNotFoundError(f"model path {path!r} is not a directory; pass a diffusers-style pipeline folder")
+
+
+def sampling_defaults(path: str) -> dict[str, int | float]:
+    """The sampling defaults a local pipeline folder declares in its SAMPLING_DEFAULTS file ({} when it has none or
+    `path` is not a local folder). A key outside SAMPLING_KEYS or a value of the wrong type is a ValueError naming the
+    file."""
+    file = os.path.join(path, SAMPLING_DEFAULTS) if path and os.path.isdir(path) else None
+    if not file or not os.path.isfile(file):
+        return {}
+    values = read_json(file, SAMPLING_DEFAULTS)
+    if not isinstance(values, dict):
+        raise ValueError(f"{file}: expected a JSON object of {sorted(SAMPLING_KEYS)}")
+    out: dict[str, int | float] = {}
+    for key, value in values.items():
+        kind = SAMPLING_KEYS.get(key)
+        if kind is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (kind is int and value != int(value)) or not value > 0:
+            raise ValueError(f"{file}: {key!r}: {value!r} is not a positive {kind.__name__ if kind else 'known key'}"
+                             f" (keys: {sorted(SAMPLING_KEYS)})")
+        out[key] = kind(value)
+    return out
 
 
 def model_family(path: str) -> str:

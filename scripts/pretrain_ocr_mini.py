@@ -1706,6 +1706,8 @@ def assemble_pipeline(ship_dir: str | Path, out_dir: str | Path, tiny_models_dir
     marker = out_dir / ".assembled"
     if out_dir.exists():
         if marker.is_file() and marker.read_text(encoding="utf-8").strip() == marker_value:
+            if not (out_dir / "sampling_defaults.json").is_file():  # assembled before the folder carried them
+                write_sampling_defaults(out_dir, info)
             return out_dir
         raise FileExistsError(f"{out_dir} exists and was not assembled from {ship_dir}; remove it or pick another")
     for rel, meta in info["files"].items():
@@ -1728,10 +1730,25 @@ def assemble_pipeline(ship_dir: str | Path, out_dir: str | Path, tiny_models_dir
         shutil.copytree(ship_dir / sub, tmp / sub)
     expand_shipped_vae(ship_dir / "vae", tmp / "vae")
     shutil.copyfile(ship_dir / "model_index.json", tmp / "model_index.json")
+    write_sampling_defaults(tmp, info)
     (tmp / ".assembled").write_text(marker_value + "\n", encoding="utf-8")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def write_sampling_defaults(pipeline_dir: Path, info: dict) -> None:
+    """The assembled folder's `models.SAMPLING_DEFAULTS`: the size, steps (the most of the recommended ones) and true
+    CFG it was pretrained and evaluated with (build_info.json "recommended"), so sample.py draws legible words with
+    no size or CFG flags."""
+    from models import SAMPLING_DEFAULTS
+
+    rec = info["recommended"]
+    steps = rec["num_inference_steps"]
+    values = {"height": int(rec["height"]), "width": int(rec["width"]),
+              "num_inference_steps": int(max(steps) if isinstance(steps, list) else steps),
+              "true_cfg_scale": float(rec["true_cfg_scale"])}
+    (pipeline_dir / SAMPLING_DEFAULTS).write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
 
 
 def native_engine_images(pipeline_dir: str | Path, prompts: Sequence[str], seeds: Sequence[int], steps: int,

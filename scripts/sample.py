@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import training as T  # noqa: E402
+from models import SAMPLING_DEFAULTS, sampling_defaults  # noqa: E402
 
 # sample.py flag -> the trainer flag of a run (--run_dir) it defaults to
 RUN_DEFAULTS = {"model_path": "model_path", "height": "height", "width": "width", "guidance_scale": "guidance_scale",
@@ -78,8 +79,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_grid_images", type=int, default=16, help="samples in grid.png (0 = no grid)")
     parser.add_argument("--output_dir", required=True)
     settings_from = T.set_defaults_from_checkpoint(parser, argv, RUN_DEFAULTS)  # the run's checkpoint, verified
+    known, _ = parser.parse_known_args(argv)
+    try:  # without a run, the model folder's own sampling defaults (size, steps, CFG) come before the family's
+        trained = {} if known.run_dir else sampling_defaults(known.model_path)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    if trained:
+        parser.set_defaults(**trained)
+        settings_from = f"settings: the defaults of {os.path.join(known.model_path, SAMPLING_DEFAULTS)}"
     args = parser.parse_args(argv)
     args.settings_from = settings_from
+    args.size_warning = size_warning(trained, args.height, args.width)
     if not args.model_path:
         parser.error("--model_path is required (or $MODEL_PATH, or --run_dir)")
     if sum(bool(x) for x in (args.prompt, args.prompts, args.parquet)) != 1:
@@ -89,6 +99,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_per_prompt < 1:
         parser.error("--num_per_prompt must be >= 1")
     return args
+
+
+def size_warning(trained: dict, height: int | None, width: int | None) -> str | None:
+    """A warning when the requested size is more than 2x away (per side) from the size the model folder says it was
+    trained at (`trained`: its sampling defaults), else None."""
+    if not trained.get("height") or not trained.get("width") or height is None or width is None:
+        return None
+    ratios = (height / trained["height"], width / trained["width"])
+    if all(0.5 <= r <= 2.0 for r in ratios):
+        return None
+    return (f"warning: {height}x{width} is far from the {trained['height']}x{trained['width']} this model samples "
+            f"at ({SAMPLING_DEFAULTS} of its folder): expect images it was not trained to draw")
 
 
 def prompt_rows(args, family: str) -> list:
@@ -127,6 +149,8 @@ def main(argv=None) -> None:
     rank, world = info.rank, info.world_size
     if rank == 0 and args.settings_from:
         print(args.settings_from, flush=True)
+    if rank == 0 and args.size_warning:
+        print(args.size_warning, file=sys.stderr, flush=True)
     model_path = resolve_model_path(args.model_path)
     family = model_family(model_path)
     rows = prompt_rows(args, family)  # every model-free check first
