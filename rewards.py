@@ -183,7 +183,8 @@ def judge_reply_kind(reply: str, target: str, max_tokens: int) -> str:
 
     Every kind is still scored by `ocr_score` (an over-long or refusing reply scores near 0); the kinds are counted
     so that a judge that does not read stops the run instead of training on zero rewards."""
-    if getattr(reply, "finish_reason", None) in ("length", REPLY_TOO_LARGE) or len(reply) > CHARS_PER_TOKEN * max_tokens:
+    cut = getattr(reply, "finish_reason", None) in ("length", REPLY_TOO_LARGE)
+    if cut or len(reply) > CHARS_PER_TOKEN * max_tokens:
         return "overlong"
     text = reply.strip().replace("\u2019", "'")
     if not text:

@@ -62,8 +62,8 @@ a failed run's log (an OOM is a result, not a crash of the benchmark). Step 1 is
 
 Time on one H200 (measured; docs/PERFORMANCE.md has each recipe's runtimes): the checkpoint build takes 40-66 s per
 family (in a subprocess, written once and shared by the recipe's runs), trainer and rollout worker start in about
-1.3 min, the compiled first step adds ~2-3 min (Qwen-Image) or ~4 min (Boogu-Image), then a step takes 20-45 s. At 60 blocks the
-`qwen_dppo` baseline (fp32 base) does not fit on one H200, so it is recorded as failed and the ratio is n/a; use
+1.3 min, the compiled first step adds ~2-3 min (Qwen-Image) or ~4 min (Boogu-Image), then a step takes 20-45 s. At
+60 blocks the `qwen_dppo` baseline (fp32 base) does not fit on one H200, so it is recorded as failed and the ratio is n/a; use
 --qwen_layers 40 for a ratio that fits. A baseline measured once (`--configs baseline` or any earlier JSON) and
 passed as --baseline_json saves its runs in every later call.
 --deadline_s stops starting runs that cannot finish in time (estimated from the runs before) and kills a run that

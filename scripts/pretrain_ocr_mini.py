@@ -1706,7 +1706,9 @@ def assemble_pipeline(ship_dir: str | Path, out_dir: str | Path, tiny_models_dir
     marker = out_dir / ".assembled"
     if out_dir.exists():
         if marker.is_file() and marker.read_text(encoding="utf-8").strip() == marker_value:
-            if not (out_dir / "sampling_defaults.json").is_file():  # assembled before the folder carried them
+            from models import SAMPLING_DEFAULTS
+
+            if not (out_dir / SAMPLING_DEFAULTS).is_file():  # assembled before the folder carried them
                 write_sampling_defaults(out_dir, info)
             return out_dir
         raise FileExistsError(f"{out_dir} exists and was not assembled from {ship_dir}; remove it or pick another")

@@ -6,7 +6,6 @@ refusal without a GPU; stopping every child on SIGTERM; and (slow) the CPU smoke
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os

@@ -373,7 +373,7 @@ def test_a_judge_that_does_not_read_stops_the_run_naming_its_replies(demo_data, 
     assert [(r["phase"], r["step"], r["ocr/response"]) for r in records] == [("train", 2, reply)] * 4
     assert "saved checkpoint" in proc.stdout and "step 1, the last finished step" in proc.stdout
     if reply:  # the odd replies are printed with an example at the step they happen
-        assert f"step 2: the OCR judge's replies to 4 of the 4 samples" in proc.stdout
+        assert "step 2: the OCR judge's replies to 4 of the 4 samples" in proc.stdout
         assert repr(reply[:80]) in proc.stdout
 
 

@@ -145,8 +145,8 @@ def test_a_dry_run_prints_the_layout_and_starts_nothing(recorder, tmp_path):
     proc = run("scripts/run_qwen_image_ocr_lora.sh", env, "--total_training_steps", "5")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[:2] == ["recipe: dry run: would start judge replica 0 (Qwen/Qwen3-VL-8B-Instruct) on GPUs 4, port 8000",
-                         "recipe: dry run: would start judge replica 1 (Qwen/Qwen3-VL-8B-Instruct) on GPUs 5, port 8001"]
+    assert lines[:2] == [f"recipe: dry run: would start judge replica {k} (Qwen/Qwen3-VL-8B-Instruct) on GPUs {gpu}, "
+                         f"port {port}" for k, gpu, port in ((0, 4, 8000), (1, 5, 8001))]
     assert lines[2] == "launch.sh: dry run, node 0 of 1, 3 trainer process(es) (3 in all); would run:"
     argv = lines[3].split()
     assert flag(argv, "--nproc_per_node") == "3" and flag(argv, "--train_batch_size") == "30"

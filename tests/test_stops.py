@@ -131,18 +131,16 @@ def test_the_start_up_stop_is_one_line_naming_the_signal():
 
 
 def test_reward_stats_are_over_the_scored_samples_and_nan_without_any():
-    from training.logs import blank_unscored_rewards
-
+    """A non-finite sample's reward is NaN (`score_finite`): the stats leave it out, and with none scored they are
+    NaN, printed `n/a` on the console."""
     uids = [0, 0, 1, 1]
-    out = T.reward_metrics(torch.tensor([1.0, 3.0, 0.0, 0.0]), uids, scored=[True, True, False, False])
-    assert out["critic/rewards/mean"] == 2.0 and out["critic/rewards/min"] == 1.0  # the placeholders left out
-    nan = T.reward_metrics(torch.tensor([float("nan")] * 4), uids)
-    assert all(math.isnan(nan[f"critic/rewards/{k}"]) for k in ("mean", "max", "min", "std_mean", "zero_std_ratio"))
-    step = {"critic/rewards/mean": 0.0, "rollout/nonfinite_samples": 4.0, "perf/total_num_images": 4.0}
-    assert math.isnan(blank_unscored_rewards(step)["critic/rewards/mean"])
-    assert T.Progress(3).line(2, 1.0, step).endswith("| rewards/mean n/a")
-    partly = {**step, "rollout/nonfinite_samples": 2.0}
-    assert T.Progress(3).line(2, 1.0, partly).endswith("| rewards/mean 0")
+    nan = float("nan")
+    out = T.reward_metrics(torch.tensor([1.0, 3.0, nan, nan]), uids)
+    assert out["critic/rewards/mean"] == 2.0 and out["critic/rewards/min"] == 1.0  # the unscored samples left out
+    none = T.reward_metrics(torch.tensor([nan] * 4), uids)
+    assert all(math.isnan(none[f"critic/rewards/{k}"]) for k in ("mean", "max", "min", "std_mean", "zero_std_ratio"))
+    assert T.Progress(3).line(2, 1.0, none).endswith("| rewards/mean n/a")
+    assert T.Progress(3).line(2, 1.0, out).endswith("| rewards/mean 2")
 
 
 # ------------------------------------------------------------------------------------------------------------------

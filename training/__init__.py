@@ -79,8 +79,7 @@ from .resume import ResumePlan, prepare_resume
 from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, timer, image_grid,
                    sample_caption, rollout_grid, prompt_text, all_gather_objects, gather_first_images, Progress,
                    git_commit, write_run_metadata, tee_console, log_only,
-                   log_time, run_summary, LOG_FILE, HelpFormatter, console_log_path, discard_console_log,
-                   blank_unscored_rewards)
+                   log_time, run_summary, LOG_FILE, HelpFormatter, console_log_path, discard_console_log)
 # 7. throughput, MFU per phase, peak memory: one call per trainer step
 from .perf import (perf_metrics, PEAK_TFLOPS_ENV, device_peak_flops, rollout_device_count, transformer_flops,
                    phase_perf_metrics, nft_perf_metrics, dppo_perf_metrics)

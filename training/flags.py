@@ -79,8 +79,8 @@ def add_common_args(parser) -> None:
                         "FSDP2's per-forward parameter copies (FSDP2 copies every tensor at every unshard even when "
                         "it has nothing to shard); 'always' = FSDP2 at any size (the old path)")
     g.add_argument("--compile", default="off", choices=COMPILE_MODES,
-                   help="'blocks' = regional torch.compile of the transformer blocks (the family's blocks_to_compile) in "
-                        "the trainer and in the native rollout engine: fewer, fused kernels; the first steps pay the "
+                   help="'blocks' = regional torch.compile of the transformer blocks (the family's "
+                        "blocks_to_compile) in the trainer and in the native rollout engine: fewer, fused kernels; the first steps pay the "
                         "compile (each block class once per variant); bf16 results differ from eager by rounding; "
                         "a vllm-omni engine compiles by its own settings. 'off' = eager")
     g = parser.add_argument_group("rollout")

@@ -34,7 +34,6 @@ __all__ = [
     "sample_caption", "rollout_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress",
     "git_commit", "write_run_metadata", "tee_console", "log_only",
     "log_time", "run_summary", "LOG_FILE", "HelpFormatter", "console_log_path", "discard_console_log",
-    "blank_unscored_rewards",
 ]
 
 
@@ -51,11 +50,11 @@ class TensorBoardLogger:
             self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     def log_scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """Every metric as a scalar at `step`; the reward stats of a step that scored no sample are NaN (a gap in the
-        chart, `blank_unscored_rewards`)."""
+        """Every metric as a scalar at `step` (the reward stats of a step that scored no sample are NaN: a gap in the
+        chart, `reward_metrics`)."""
         if self.writer is None:
             return
-        for key, value in blank_unscored_rewards(metrics).items():
+        for key, value in metrics.items():
             value = float(value)
             self.writer.add_scalar(key, value, global_step=step)
 
@@ -125,7 +124,6 @@ def reward_metrics(
     uids: Sequence[Any],
     advantages: torch.Tensor | None = None,
     extras: Mapping[str, Sequence[float]] | None = None,
-    scored: Sequence[bool] | torch.Tensor | None = None,
 ) -> dict[str, float]:
     """`critic/rewards/*`, `critic/advantages/*` and `critic/<extra>/mean` over the global batch (verl-omni names
     and definitions).
@@ -134,10 +132,9 @@ def reward_metrics(
     any shape, stats over all elements. zero_std_ratio / std_mean use the population std per uid. extras: numeric
     per-sample reward extras (e.g. {"pickscore_raw": [...], "reward/ocr": [...]}) -> `critic/<key>/mean`; an extra
     named `*_frac` holds a 0/1 flag per sample and is logged as the fraction `critic/<key>` (e.g.
-    `critic/reward/ocr/empty_reply_frac`, the judge's empty replies). scored: (B,) which samples a reward scored
-    (default: those with a finite reward): the reward stats are over those only, and NaN (a gap in TensorBoard,
-    `n/a` on the console) when there is none, e.g. a step whose samples all came back non-finite; never the 0.0 of
-    a placeholder.
+    `critic/reward/ocr/empty_reply_frac`, the judge's empty replies). The reward stats are over the samples with a
+    finite reward (a non-finite rollout sample's reward is NaN: never scored), and NaN (a gap in TensorBoard, `n/a`
+    on the console) when there is none, e.g. a step whose samples all came back non-finite.
     """
     r = rewards.detach().float().cpu()
     if r.ndim == 2:
@@ -145,8 +142,6 @@ def reward_metrics(
     if r.ndim != 1 or len(uids) != r.shape[0]:
         raise ValueError(f"rewards must be (B,) or (B, T) with B = len(uids) = {len(uids)}, got {tuple(rewards.shape)}")
     keep = torch.isfinite(r)
-    if scored is not None:
-        keep &= torch.as_tensor(scored, dtype=torch.bool).reshape(-1).cpu()
     out = _reward_stats(r[keep].numpy().astype(np.float64), np.asarray([str(u) for u in uids])[keep.numpy()])
     out["critic/rewards/group_size"] = float(len(uids) / len(set(str(u) for u in uids)))
     if advantages is not None:
@@ -177,17 +172,6 @@ def _reward_stats(r_np: np.ndarray, uid_arr: np.ndarray) -> dict[str, float]:
     return {"critic/rewards/mean": float(r_np.mean()), "critic/rewards/max": float(r_np.max()),
             "critic/rewards/min": float(r_np.min()), "critic/rewards/zero_std_ratio": float(np.mean(stds == 0)),
             "critic/rewards/std_mean": float(np.mean(stds))}
-
-
-def blank_unscored_rewards(metrics: Mapping[str, float]) -> dict[str, float]:
-    """`metrics` of a step whose samples were all non-finite (`rollout/nonfinite_samples` = `perf/total_num_images`:
-    no reward scored anything) with the reward stats NaN: the 0.0 placeholders they were computed from would chart
-    as a jump exactly where the policy broke. Other steps' metrics are returned unchanged."""
-    out = dict(metrics)
-    total, nonfinite = out.get("perf/total_num_images", 0.0), out.get("rollout/nonfinite_samples", 0.0)
-    if total > 0 and nonfinite >= total:
-        out.update({key: float("nan") for key in UNSCORED_KEYS if key in out})
-    return out
 
 
 def validation_metrics(
@@ -350,7 +334,7 @@ class Progress:
         remaining = max(self.total_steps - step, 0)
         eta = datetime.timedelta(seconds=int(round(remaining * sum(times) / len(times))))
         parts = [f"step {step}/{self.total_steps}", f"{step_time_s:.2f}s/step", f"ETA {eta}"]
-        shown = blank_unscored_rewards(metrics or {})
+        shown = metrics or {}
         for k in keys:
             if k in shown:
                 value = shown[k]

@@ -360,8 +360,8 @@ def prepare_transformer(
     every block), in that order; returns the `LoraConfig`.
 
     For a FlowModel `m`: `prepare_transformer(m.transformer, block_prefixes=m.lora_block_prefixes,
-    target_modules=m.default_lora_targets, compile_prefixes=m.blocks_to_compile, ...)`. The base weights are frozen; with two adapter names (DiffusionNFT)
-    "old" starts as an independent random init: hard-copy it (`models.lora.copy_adapter_(t, "default", "old")`)
+    target_modules=m.default_lora_targets, compile_prefixes=m.blocks_to_compile, ...)`. The base weights are frozen;
+    with two adapter names (DiffusionNFT) "old" starts as an independent random init: hard-copy it (`models.lora.copy_adapter_(t, "default", "old")`)
     at the start of training, after any checkpoint load.
     """
     transformer.requires_grad_(False)

@@ -52,7 +52,8 @@ def nonfinite_rows(result) -> list[int]:
 def score_finite(scorer, images: torch.Tensor, inputs: dict[str, list], bad: Sequence[int] = ()):
     """`scorer.score_batch(images, **inputs)` over the rows not in `bad` only: a non-finite sample is never sent to
     a reward. Its reward is NaN (its step's update is skipped, see `rollout_and_score`; the reward statistics leave
-    it out), its extras NaN and its texts None. With no bad row this is exactly one `score_batch` call over every row."""
+    it out), its extras NaN and its texts None. With no bad row this is exactly one `score_batch` call over every
+    row."""
     import rewards
 
     if not bad:
