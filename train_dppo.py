@@ -10,8 +10,10 @@ One rollout step:
      the rewards are scored as each chunk finishes, while the next chunk samples;
   2. group advantages over the global batch (verl-omni's estimator: unbiased std over the reward repeated across
      the W stored steps);
-  3. old log-probs and transition means are RECOMPUTED by the trainer with the same weights before the update, so
-     the first mini-batch has ratio = 1 exactly (the rollout's own log-probs only feed the rollout_corr/* check);
+  3. old log-probs and transition means are RECOMPUTED by the trainer with the same weights, so the first
+     mini-batch has ratio = 1 exactly (the rollout's own log-probs only feed the rollout_corr/* check): the first
+     mini-batch's in its own update forward (no optimizer step has run yet), the later ones' in a replay pass
+     before the update (--old_from_update off: every mini-batch's in that pass);
      with --old_log_probs rollout (verl-omni's bypass mode) the rollout's own log-probs and means are used instead,
      one forward pass per stored step fewer; rollout_corr/* is then measured in the first update mini-batch, whose
      weights still equal the rollout's, and its ratio differs from 1 by exactly that gap;
@@ -135,16 +137,23 @@ def main(argv=None) -> None:
         cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
         window = StoredWindow(result.all_latents.to(device), sigma, sigma_next, sigmas[1], cond)
 
-        # 3. old log-probs and means, recomputed with the weights that sampled (ratio = 1 at the first update), or
-        #    the rollout's own (--old_log_probs rollout)
+        # 3. old log-probs and means, recomputed with the weights that sampled (ratio = 1 at the first update): the
+        #    first mini-batch's come from its own update forward below (no optimizer step has run yet), so this pass
+        #    replays only the later mini-batches (none when the step makes one optimizer step; --old_from_update off
+        #    replays all), or the rollout's own (--old_log_probs rollout)
         rollout_log_probs = result.all_log_probs.to(device)
+        samples_per_mini = (run.mini_prompts // world) * args.rollout_n
+        first_from_update = args.old_log_probs == "recompute" and args.old_from_update == "on"
         if args.old_log_probs == "recompute":
             old_log_probs = torch.empty(n_local, num_w, device=device)
             old_means = torch.empty_like(window.latents[:, 1:])
+            replayed = T.micro_batches(samples_per_mini if first_from_update else 0, n_local, args.micro_batch_size,
+                                       device)
             # compiled blocks round a no-grad graph differently from the update's graph: replay with grad (outputs
             # detached) so the first update's ratio stays exactly 1 (models.base.compile_blocks)
-            with T.timer("old_log_prob", timings), torch.set_grad_enabled(args.compile == "blocks"):
-                for mb in T.micro_batches(0, n_local, args.micro_batch_size, device):
+            with T.timer("old_log_prob", timings, skip=not replayed), \
+                    torch.set_grad_enabled(args.compile == "blocks"):
+                for mb in replayed:
                     for j, out in replay(model, window, mb, scale, args):
                         old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
                         del out  # its graph (the checkpointed block inputs) goes before the next replay
@@ -155,16 +164,18 @@ def main(argv=None) -> None:
                                    "rollout engine did not return them")
             old_log_probs, old_means = rollout_log_probs, result.all_means.to(device)
             first_pass = torch.zeros_like(old_log_probs)  # the first mini-batch's log-probs: the rollout_corr check
+            replayed = []
 
         # 4. update the policy
         accumulator = T.MetricAccumulator()
-        samples_per_mini = (run.mini_prompts // world) * args.rollout_n
         with T.timer("update_actor", timings):
             for i, micro_batches in enumerate(T.mini_batches(n_local, samples_per_mini, args.micro_batch_size,
                                                              epochs=args.ppo_epochs, device=device)):
                 for mb in micro_batches:  # (b,) sample indices
                     for j, out in replay(model, window, mb, scale, args):
-                        if first_pass is not None and i == 0:  # the first mini-batch: weights = the rollout's
+                        if i == 0 and first_from_update:  # the weights that sampled: this forward is the old one
+                            old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
+                        elif i == 0 and first_pass is not None:  # the first mini-batch: weights = the rollout's
                             first_pass[mb, j] = out.log_prob.detach()
                         if args.loss == "flow_dppo":
                             loss, loss_metrics = run.stepper.checked_loss(losses.flow_dppo_loss,
@@ -191,7 +202,8 @@ def main(argv=None) -> None:
         # 5. sync the policy to the rollout workers; logging (with perf/mfu/* of each phase), validation, checkpoint
         timings.update(run.sync_rollout(T.ADAPTER_DEFAULT, step))
         metrics.update(accumulator.reduce())
-        metrics.update(T.dppo_perf_metrics(run, cond, timings, num_w=num_w))
+        metrics.update(T.dppo_perf_metrics(run, cond, timings, num_w=num_w,
+                                            old_fraction=len(replayed) * args.micro_batch_size / n_local))
         run.end_step(step, metrics, timings, step_start, batch.epoch)
     run.close()
 

@@ -11,8 +11,9 @@ One rollout step:
   2. group advantages over the global batch (global std) -> DiffusionNFT optimality probabilities
      r = clamp(A, -C, C) / 2C + 1/2;
   3. update: per sample K training timesteps (integer 1000·σ of the rollout schedule, one fixed-seed permutation
-     per row), x_t = (1 - t) x0 + t ε with fresh ε, forwards of the `old` adapter, the `default` adapter (with
-     grad) and, when ref_kl_coef > 0, the base model (adapters off) - each through the model wrapper, so Boogu is
+     per row), x_t = (1 - t) x0 + t ε with fresh ε, forwards of the `old` adapter (in the first mini-batch, the
+     policy's own forward when `old` equals it: --old_from_update), the `default` adapter (with grad) and, when
+     ref_kl_coef > 0, the base model (adapters off) - each through the model wrapper, so Boogu is
      negated and guided exactly as in rollout (--train_cfg rollout, the default) or CFG-free (--train_cfg off:
      one conditional pass per forward instead of two; the rollout keeps its CFG) - then
      `losses.diffusion_nft_loss`, accumulated over micro-batches x K and one AdamW step per mini-batch;
@@ -75,16 +76,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def old_and_reference(model, forward, with_reference: bool):
+def old_and_reference(model, forward, with_old: bool, with_reference: bool):
     """The no-grad targets of one training forward `forward()` (the wrapper's velocity at this x_t, t, conditioning
-    and CFG): with the `old` adapter, and with the base model (every adapter off) when `with_reference`."""
+    and CFG): with the `old` adapter when `with_old`, and with the base model (every adapter off) when
+    `with_reference`; None for each one not asked for."""
+    v_old = v_ref = None
     with torch.no_grad():
-        with T.use_adapter(model.transformer, T.ADAPTER_OLD):
-            v_old = forward()
-        if not with_reference:
-            return v_old, None
-        with lora.lora_disabled(model.transformer):
-            return v_old, forward()
+        if with_old:
+            with T.use_adapter(model.transformer, T.ADAPTER_OLD):
+                v_old = forward()
+        if with_reference:
+            with lora.lora_disabled(model.transformer):
+                v_ref = forward()
+    return v_old, v_ref
 
 
 def main(argv=None) -> None:
@@ -136,8 +140,13 @@ def main(argv=None) -> None:
         accumulator = T.MetricAccumulator()
         samples_per_mini = (run.mini_prompts // world) * args.rollout_n
         with T.timer("update_actor", timings):
-            for micro_batches in T.mini_batches(n_local, samples_per_mini, args.micro_batch_size,
-                                                epochs=args.ppo_epochs, device=device):
+            # `old` equal to the policy (a hard-copy refresh since the last update): until the first optimizer step
+            # the policy's own forward is the old one (--old_from_update). Compiled blocks still run it in the
+            # process's first step, so that its graph compiles there with the others, not in a later step
+            old_is_policy = (args.old_from_update == "on" and (args.compile != "blocks" or step > run.start_step + 1)
+                             and T.adapters_equal(model.transformer))
+            for i, micro_batches in enumerate(T.mini_batches(n_local, samples_per_mini, args.micro_batch_size,
+                                                             epochs=args.ppo_epochs, device=device)):
                 for mb in micro_batches:  # (b,) sample indices
                     x0_mb, cond_mb = x0[mb], cond.index(mb)
                     for k in range(num_k):
@@ -147,8 +156,11 @@ def main(argv=None) -> None:
                         forward = lambda: model.guided_velocity(  # noqa: E731
                             xt, t, cond_mb.prompt, cond_mb.negative, train_scale, cond_mb.ref_latents,
                             height=args.height, width=args.width)
-                        v_old, v_ref = old_and_reference(model, forward, with_reference=args.ref_kl_coef > 0)
+                        v_old, v_ref = old_and_reference(model, forward, with_old=not (i == 0 and old_is_policy),
+                                                         with_reference=args.ref_kl_coef > 0)
                         v = forward()
+                        if v_old is None:
+                            v_old = v.detach()
                         loss, loss_metrics = run.stepper.checked_loss(losses.diffusion_nft_loss,
                             v, v_old, x0_mb, xt, t, reward_prob[mb], mix_beta=args.mix_beta,
                             adv_clip_max=args.adv_clip_max, ref_prediction=v_ref, ref_kl_coef=args.ref_kl_coef,
@@ -166,7 +178,9 @@ def main(argv=None) -> None:
         # 5. logging (with perf/mfu/* of each phase), validation, checkpoint
         metrics.update(accumulator.reduce())
         metrics.update(old_metrics)
-        metrics.update(T.nft_perf_metrics(run, cond, timings, num_k=num_k, train_scale=train_scale))
+        passes_without_old = samples_per_mini if old_is_policy else 0  # of the n_local x ppo_epochs sample passes
+        metrics.update(T.nft_perf_metrics(run, cond, timings, num_k=num_k, train_scale=train_scale,
+                                          old_fraction=1 - passes_without_old / (n_local * args.ppo_epochs)))
         run.end_step(step, metrics, timings, step_start, batch.epoch)
     run.close()
 

@@ -22,7 +22,8 @@ the judge; 512², 10 rollout steps, LoRA 64/128, activation checkpointing of eve
              adv_clip_max 1); 12 images, micro 12 per trainer GPU.
 Configurations (the flags that differ; everything else is the recipe's):
   baseline             today's path: fp32 frozen base (`--base_weights_dtype fp32`), training forwards with the
-                       rollout's CFG, old log-probs recomputed, adapter sync through disk, reserved layout (one GPU:
+                       rollout's CFG, old log-probs recomputed in a pass of their own and a separate NFT old
+                       forward (`--old_from_update off`), adapter sync through disk, reserved layout (one GPU:
                        the rollout worker shares cuda:0; several: the last GPU rollout-only);
   optimized            bf16 frozen base, CFG-free NFT training forwards (`--train_cfg off`), the recipes' own DPPO
                        setting (`--old_log_probs recompute`: they keep it for the trust region),
@@ -156,6 +157,8 @@ def config_flags(config: str, recipe: str, blocks: int, args) -> list[str]:
     if config == "baseline":
         flags = ["--base_weights_dtype", "fp32"] + (["--train_cfg", "rollout"] if nft else
                                                     ["--old_log_probs", "recompute"])
+        if trainer_supports("--old_from_update"):  # a separate old forward / old log-prob pass for every sample
+            flags += ["--old_from_update", "off"]
         return flags + shlex.split(args.baseline_flags)
     flags = ["--base_weights_dtype", "compute"]
     if nft:

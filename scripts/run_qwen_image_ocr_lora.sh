@@ -10,7 +10,8 @@
 # trainer GPUs (TRAIN_BATCH / MINI_BATCH set it directly). See scripts/launch.sh and scripts/recipe_lib.sh.
 # Recipe: verl-omni's Flow-DPPO Qwen-Image OCR LoRA run: kl_mask_threshold=1e-5,
 # add_kl_coefficient, sde_type=sde, noise 1.2, SDE window 2 in [0,5], LoRA 64/128, lr 3e-4, true CFG 4.0 (rollout
-# and replay). Old log-probs are recomputed (verl-omni's default, step-1 ratio exactly 1); --old_log_probs rollout is
+# and replay). Old log-probs are recomputed (verl-omni's default, step-1 ratio exactly 1: the first mini-batch's in its
+# own update forward, the second's in a replay pass before the update); --old_log_probs rollout is
 # its bypass mode (no replay pass before the update; the rollout/trainer gap then enters the ratio, see
 # rollout_corr/*). Activation checkpointing of every block (micro 16 with CFG = 32 sequences per forward); frozen
 # base weights in bf16. Batch: 3 ranks need a prompt count divisible by 3, so 30 prompts x 16 and mini 15 (2

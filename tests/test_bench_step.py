@@ -70,7 +70,10 @@ def test_bypass_reproduces_recompute_when_the_gap_is_zero(smoke):
     result, _, _ = smoke
     runs = result["recipes"]["qwen_dppo"]["runs"]
     base, opt = runs["optimized"], runs["optimized_bypass"]
-    assert "old_log_prob" in base["phase_s"] and "old_log_prob" not in opt["phase_s"]  # the pass is skipped
+    # one mini-batch per step: the optimized recompute takes the old log-probs from the update's own forward (no
+    # pass of their own, as bypass); the baseline keeps the separate pass (--old_from_update off)
+    assert "old_log_prob" not in base["phase_s"] and "old_log_prob" not in opt["phase_s"]
+    assert "old_log_prob" in runs["baseline"]["phase_s"] and "--old_from_update off" in runs["baseline"]["command"]
     for b, o in zip(base["steps"], opt["steps"]):
         bm, om = b["metrics"], o["metrics"]
         gap = om["rollout_corr/logprob_abs_diff_max"]  # bypass: measured in the first update pass
@@ -94,7 +97,7 @@ def test_profile_traces_and_tables(smoke):
             assert os.path.isfile(trace["path"]) and 0 < trace["bytes"] < 8 * 2**20
         trainer = {row["phase"]: row for row in profile["tables"]["trainer-rank0"]["phases"]}
         assert {"step", "update_actor", "update_weights"} <= set(trainer), config
-        assert ("old_log_prob" in trainer) == (config != "optimized_bypass")
+        assert ("old_log_prob" in trainer) == (config == "baseline")  # the only one with a separate pass
         worker = {row["phase"]: row for row in profile["tables"]["profile-worker-0"]["phases"]}
         assert worker["gen"]["busy_ms"] > 0 and worker["gen"]["device_events"] > 0
         update = trainer["update_actor"]

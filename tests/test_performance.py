@@ -555,6 +555,10 @@ def test_each_trainers_perf_call_counts_its_forwards(monkeypatch):
     assert len(calls) == 2  # one guided velocity call's FLOP model (cond + uncond) for every phase of the step
     assert dppo["perf/tflop/gen"] == 20 and dppo["perf/tflop/old_log_prob"] == 2 * 2
     assert dppo["perf/tflop/update_actor"] == 2 * 2 * 3 * 2 and dppo["perf/mfu/update_actor"] == pytest.approx(4.0)
+    assert T.dppo_perf_metrics(run, cond, timings, num_w=2, old_fraction=0.5)["perf/tflop/old_log_prob"] == 2
+    args.ref_kl_coef = 0.1  # NFT with the old forward left out in a quarter of the sample passes
+    assert T.nft_perf_metrics(run, cond, timings, num_k=3, train_scale=1.0, old_fraction=0.75)[
+        "perf/tflop/update_actor"] == 1 * 3 * (3 + 0.75 + 1) * 2
     run.cfg_scale = 1.0  # an unguided run: one forward per call everywhere
     assert T.dppo_perf_metrics(run, cond, timings, num_w=2)["perf/tflop/gen"] == 10
 
@@ -691,10 +695,12 @@ def test_a_nonfinite_device_loss_skips_the_step_as_the_host_check_does():
 
 @pytest.mark.slow  # two whole trainer runs under torchrun
 @pytest.mark.parametrize("script", ["train_nft.py", "train_dppo.py"])
-def test_trainers_log_the_same_metrics_with_device_and_host_loss_metrics(tiny_models, tmp_path, script):
-    """A tiny CPU run (one rank, 2 steps, two micro-batches, two epochs for DPPO so the ratio leaves 1) with
-    --loss_metrics host (a host read per loss call, the old path) and device (the default): every logged actor/*,
-    critic/* and rollout_corr/* value is bit-identical."""
+def test_trainers_log_the_same_metrics_on_the_old_and_the_fast_update_paths(tiny_models, tmp_path, script):
+    """A tiny CPU run (one rank, 2 steps, two micro-batches; DPPO: two mini-batches and two epochs so the ratio
+    leaves 1; NFT: `old` equal to the policy in step 1 only, an EMA of it in step 2) on the old path (--loss_metrics
+    host: a host read per loss call; --old_from_update off: a separate old forward / old log-prob pass for every
+    sample) and on the defaults (metrics kept on the device; the first mini-batch's old outputs from its own update
+    forward): every logged actor/*, critic/* and rollout_corr/* value is bit-identical."""
     from data_prep.make_demo_data import make_demo_data
     from trainer_runs import run_trainer, scalars
 
@@ -708,11 +714,22 @@ def test_trainers_log_the_same_metrics_with_device_and_host_loss_metrics(tiny_mo
               "--train_batch_size", "2", "--rollout_n", "2", "--micro_batch_size", "2", "--total_training_steps", "2",
               "--lr", "1e-2"]
     common += (["--ref_kl_coef", "0.1", "--old_policy_decay_schedule", "linear_to_0_5"] if script == "train_nft.py"
-               else ["--ppo_epochs", "2", "--sde_window_size", "2", "--sde_window_range", "0,3"])
-    logged = {}
-    for mode in ("host", "device"):
+               else ["--ppo_epochs", "2", "--ppo_mini_batch_size", "1", "--sde_window_size", "2",
+                     "--sde_window_range", "0,3"])
+    logged, timed = {}, {}
+    for mode, old_from_update in (("host", "off"), ("device", "on")):
         out = tmp_path / mode
-        run_trainer(script, common + ["--loss_metrics", mode, "--output_dir", out], nproc=1)
-        logged[mode] = {k: v for k, v in scalars(out).items() if k.startswith(("actor/", "critic/", "rollout_corr/"))}
+        run_trainer(script, common + ["--loss_metrics", mode, "--old_from_update", old_from_update,
+                                      "--output_dir", out], nproc=1)
+        m = scalars(out)
+        logged[mode] = {k: v for k, v in m.items() if k.startswith(("actor/", "critic/", "rollout_corr/"))}
+        timed[mode] = m.get("perf/tflop/old_log_prob" if script == "train_dppo.py" else "perf/tflop/update_actor")
     assert "actor/grad_norm" in logged["device"] and len(logged["device"]) > 8
     assert logged["host"] == logged["device"]
+    # the forwards left out are not counted: DPPO replays 1 of its 2 mini-batches; NFT skips the old forward in
+    # step 1 (a third of its 1 + 3 + 1 forwards per sample pass, `old` = the policy) and runs it in step 2
+    (_, old_all), (_, old_fast) = timed["host"][0], timed["device"][0]
+    if script == "train_dppo.py":
+        assert old_fast == pytest.approx(old_all / 2)
+    else:
+        assert old_fast == pytest.approx(old_all * 4 / 5) and timed["device"][1][1] == timed["host"][1][1]

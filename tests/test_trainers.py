@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from PIL import Image
 
 from data_prep.make_demo_data import make_demo_data
@@ -116,14 +115,15 @@ def test_dppo_qwen_end_to_end_and_ratio_one(demo_data, tiny_models, tmp_path):
     out = tmp_path / "dppo"
     run_trainer("train_dppo.py", qwen_dppo(
         tiny_models, demo_data, val_files=demo_data["qwen_image"] / "test.parquet", rollout_n=4,
-        ppo_mini_batch_size=2, ppo_epochs=2, lr=1e-2, sde_window_size=2, sde_window_range="0,3",
+        train_batch_size=4, ppo_mini_batch_size=2, ppo_epochs=2, lr=1e-2, sde_window_size=2, sde_window_range="0,3",
         total_training_steps=2, output_dir=out))
     m = scalars(out)
     for key in ("actor/pg_loss", "actor/kl_mask_fraction", "actor/pos_rm_fraction", "actor/ratio_std",
                 "rollout_corr/logprob_abs_diff_mean", "timing_s/old_log_prob",
                 "val-core/jpeg_compressibility/reward/mean@1"):
         assert key in m, f"{key} not logged"
-    # the rollout's own log-probs agree with the trainer's recompute (same weights, same schedule)
+    # the rollout's own log-probs agree with the trainer's recompute (same weights, same schedule): the first
+    # mini-batch's taken from its update forward, the second's from the replay pass before the update
     assert max(values(m, "rollout_corr/logprob_abs_diff_max")) < 1e-4
     # with two epochs the second pass runs after an optimizer step, so the ratio leaves 1
     assert values(m, "actor/ratio_std")[0] > 0

@@ -279,6 +279,27 @@ def test_old_adapter_copy_and_ema(shard):
     assert all(torch.equal(d0[k], o2[k]) for k in d0)
 
 
+def test_adapters_equal_is_exact_and_names_a_missing_adapter():
+    """`adapters_equal` (NFT's --old_from_update test): True only when every LoRA tensor of both adapters is bit
+    for bit the same; one element one ulp away, or a NaN in both, is unequal."""
+    model, _ = make_model()
+    assert not T.adapters_equal(model)  # make_model gives `old` its own random values
+    lora.copy_adapter_(model, "default", "old")
+    assert T.adapters_equal(model) and T.adapters_equal(model, "old", "default")
+    layer = next(iter(lora.lora_layers(model, "old").values()))
+    weight = layer.lora_B["old"].weight
+    with torch.no_grad():
+        weight.view(-1)[-1] = torch.nextafter(weight.view(-1)[-1], torch.tensor(math.inf))
+    assert not T.adapters_equal(model)
+    lora.copy_adapter_(model, "default", "old")
+    with torch.no_grad():
+        layer.lora_A["old"].weight.view(-1)[0] = math.nan
+        layer.lora_A["default"].weight.view(-1)[0] = math.nan
+    assert not T.adapters_equal(model)
+    with pytest.raises(ValueError, match="'missing' is missing"):
+        T.adapters_equal(model, "default", "missing")
+
+
 def test_old_policy_refresh_follows_schedule():
     model, _ = make_model()
     d0, o0 = full_params(model, "default"), full_params(model, "old")

@@ -61,7 +61,7 @@ from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapt
                     adapter_config_dict, load_flow_model, _full)
 # 3. AdamW, lr schedules, the checked optimizer step, the `old` adapter refresh
 from .optim import (build_optimizer, LR_SCHEDULES, lr_multiplier, build_lr_scheduler, lr_scheduler_state,
-                    load_lr_scheduler_state_, GradStepper, ema_adapter_, old_policy_refresh)
+                    load_lr_scheduler_state_, GradStepper, ema_adapter_, adapters_equal, old_policy_refresh)
 # 4. the resumable prompt sampler, the update's mini- and micro-batches
 from .data import SamplerBatch, PromptSampler, micro_batches, mini_batches
 # 5. the resume policy and its fingerprints; atomic checkpoints and integrity; the model-free resume decision

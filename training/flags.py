@@ -65,6 +65,12 @@ def add_common_args(parser) -> None:
     g.add_argument("--weight_decay", type=float, default=0.01)
     g.add_argument("--adam_betas", default="0.9,0.999")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="grad-norm clip; a non-finite norm skips the step")
+    g.add_argument("--old_from_update", default="on", choices=["on", "off"],
+                   help="'on' = where the update's first mini-batch needs the old policy's outputs and the old "
+                        "weights are the ones being trained (Flow-DPPO: always, the step's recomputed old "
+                        "log-probs; DiffusionNFT: when the `old` adapter equals the policy), take them from the "
+                        "update's own forward (detached) instead of a separate forward: the same numbers, one "
+                        "forward less per sample; 'off' = always a separate pass (the old path)")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute block activations in backward")
     g.add_argument("--activation_checkpointing_blocks", type=int, default=None,
                    help="selective checkpointing: checkpoint only N of the transformer's blocks, evenly spaced "

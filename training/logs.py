@@ -214,9 +214,13 @@ def validation_metrics(
 
 
 @contextlib.contextmanager
-def timer(name: str, timings: dict[str, float], *, cuda_sync: bool = True) -> Iterator[None]:
+def timer(name: str, timings: dict[str, float], *, cuda_sync: bool = True, skip: bool = False) -> Iterator[None]:
     """Add the wall time of the block to `timings["timing_s/<name>"]` (synchronising CUDA first when in use). The
-    block is also a `torch.profiler.record_function("timing_s/<name>")` range: the phases of a profile's table."""
+    block is also a `torch.profiler.record_function("timing_s/<name>")` range: the phases of a profile's table.
+    `skip`: the phase has no work this step; nothing is timed or recorded (its timing and MFU stay absent)."""
+    if skip:
+        yield
+        return
     sync = cuda_sync and torch.cuda.is_available() and torch.cuda.is_initialized()
     key = f"timing_s/{name}"
     if sync:

@@ -120,27 +120,31 @@ def _gen_phase(run, per_rank: float) -> tuple[float, int]:
     return per_rank * run.args.num_inference_steps * get_world_size(), rollout_device_count(run.args.rollout_devices)
 
 
-def nft_perf_metrics(run, cond, timings: Mapping[str, float], *, num_k: int, train_scale: float) -> dict[str, float]:
+def nft_perf_metrics(run, cond, timings: Mapping[str, float], *, num_k: int, train_scale: float,
+                     old_fraction: float = 1.0) -> dict[str, float]:
     """`phase_perf_metrics` of one DiffusionNFT step of `run` (a `training.Run`; `cond`: this rank's rollout
     conditioning). gen: see `_gen_phase`; update_actor: per sample K = `num_k` timesteps x (the policy's forward and
-    backward = 3 forwards, the `old` forward = 1, the reference forward = 1 when --ref_kl_coef > 0) x --ppo_epochs,
-    each at the training forwards' CFG `train_scale`. Collective on CUDA."""
+    backward = 3 forwards, the `old` forward = 1 in the fraction `old_fraction` of the sample passes that ran it,
+    the reference forward = 1 when --ref_kl_coef > 0) x --ppo_epochs, each at the training forwards' CFG
+    `train_scale`. Collective on CUDA."""
     args = run.args
     per_rank = _rollout_flops(run, cond)
     per_train = per_rank if (train_scale > 1.0) == (run.cfg_scale > 1.0) else transformer_flops(
         run.model, cond, height=args.height, width=args.width, guided=train_scale > 1.0)
-    forwards = 3 + 1 + (1 if args.ref_kl_coef > 0 else 0)
+    forwards = 3 + old_fraction + (1 if args.ref_kl_coef > 0 else 0)
     return phase_perf_metrics(timings, {"gen": _gen_phase(run, per_rank),
                                         "update_actor": (per_train * num_k * forwards * args.ppo_epochs, 1)},
                               run.device)
 
 
-def dppo_perf_metrics(run, cond, timings: Mapping[str, float], *, num_w: int) -> dict[str, float]:
+def dppo_perf_metrics(run, cond, timings: Mapping[str, float], *, num_w: int,
+                      old_fraction: float = 1.0) -> dict[str, float]:
     """`phase_perf_metrics` of one Flow-DPPO / Flow-GRPO step of `run` (`cond`: this rank's rollout conditioning):
-    gen (`_gen_phase`); old_log_prob: one forward per stored step (W = `num_w`) per sample; update_actor: a forward
-    and backward (3 forwards) per stored step per sample x --ppo_epochs; every forward at the rollout's CFG.
-    Collective on CUDA."""
+    gen (`_gen_phase`); old_log_prob: one forward per stored step (W = `num_w`) per replayed sample (the fraction
+    `old_fraction` of the rank's samples); update_actor: a forward and backward (3 forwards) per stored step per
+    sample x --ppo_epochs; every forward at the rollout's CFG. Collective on CUDA."""
     per_rank = _rollout_flops(run, cond)
-    return phase_perf_metrics(timings, {"gen": _gen_phase(run, per_rank), "old_log_prob": (per_rank * num_w, 1),
+    return phase_perf_metrics(timings, {"gen": _gen_phase(run, per_rank),
+                                        "old_log_prob": (per_rank * num_w * old_fraction, 1),
                                         "update_actor": (per_rank * num_w * 3 * run.args.ppo_epochs, 1)},
                               run.device)
