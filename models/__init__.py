@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Mapping
 
 import torch
 
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 from models.base import FlowModel, PromptEmbeds, check_image_size, read_json, vae_scale_factor
 
 __all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path", "check_size_for",
-           "SAMPLING_DEFAULTS", "SAMPLING_KEYS", "sampling_defaults"]
+           "SAMPLING_DEFAULTS", "SAMPLING_KEYS", "sampling_defaults", "size_warning"]
 
 # A pipeline folder may say how it samples best (a model trained at another size than its family's 512^2, without
 # CFG, ...): `<folder>/sampling_defaults.json`, e.g. {"height": 128, "width": 128, "num_inference_steps": 20,
@@ -70,6 +71,18 @@ def sampling_defaults(path: str) -> dict[str, int | float]:
                              f" (keys: {sorted(SAMPLING_KEYS)})")
         out[key] = kind(value)
     return out
+
+
+def size_warning(trained: Mapping[str, int | float], height: int | None, width: int | None) -> str | None:
+    """A warning when the requested size is more than 2x away (per side) from the size a model folder says it samples
+    at (`trained`: its `sampling_defaults`), else None."""
+    if not trained.get("height") or not trained.get("width") or height is None or width is None:
+        return None
+    ratios = (height / trained["height"], width / trained["width"])
+    if all(0.5 <= r <= 2.0 for r in ratios):
+        return None
+    return (f"warning: {height}x{width} is far from the {int(trained['height'])}x{int(trained['width'])} this model "
+            f"samples at ({SAMPLING_DEFAULTS} of its folder): expect images it was not trained to draw")
 
 
 def model_family(path: str) -> str:

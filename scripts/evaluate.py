@@ -15,7 +15,9 @@ with one line saying it was not verified). The flags are the trainers' own (same
 and every reward flag. Those values are the ones the run's newest complete checkpoint was written with (its
 trainer_state.json, verified by its COMPLETE manifest); the run's run_metadata.json must agree with them (an edited
 or foreign one is refused, naming both values), and without a checkpoint they come from run_metadata.json,
-unverified (the first line printed says where they came from). Scoring goes through
+unverified (the first line printed says where they came from). Without --run_dir, a model folder's own sampling
+defaults (its sampling_defaults.json: size, steps as --val_num_inference_steps, CFG) come before the family's, as in
+scripts/sample.py, with a warning for a size far from them. Scoring goes through
 `training.run_validation`, the function in-training validation calls (prompt i sampled with seed
 `rollout.row_seed(--val_seed, 1, i)`, ODE, rewards by data_source), with the rollout engine (`rollout.NativeEngine`)
 in this process on this rank's device; `torchrun` splits the prompts over the ranks like the trainers do.
@@ -41,6 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import training as T  # noqa: E402
+from models import SAMPLING_DEFAULTS, sampling_defaults, size_warning  # noqa: E402
 
 # the trainer flags evaluate.py uses (besides every reward flag); the others are accepted and ignored
 USED = ("model_path", "device", "val_files", "val_max_samples", "val_seed", "val_num_inference_steps", "height",
@@ -70,8 +73,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.set_defaults(run_cfg_scale=None)  # no flag: the --run_dir run's resolved CFG scale, for unset CFG flags
     from_run = {**{d: d for d in shown if d not in NOT_FROM_RUN}, "run_cfg_scale": "cfg_scale"}
     settings_from = T.set_defaults_from_checkpoint(parser, argv, from_run)  # the run's checkpoint, verified
+    known, _ = parser.parse_known_args(argv)
+    try:  # without a run, the model folder's own sampling defaults (size, steps, CFG) come before the family's
+        trained = {} if known.run_dir else sampling_defaults(known.model_path)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    if trained:
+        steps = trained.pop("num_inference_steps", None)  # evaluate samples as validation does: --val_* steps
+        parser.set_defaults(**trained, **({"val_num_inference_steps": steps} if steps else {}))
+        settings_from = f"settings: the defaults of {os.path.join(known.model_path, SAMPLING_DEFAULTS)}"
     args = parser.parse_args(argv)
     args.settings_from = settings_from
+    args.size_warning = size_warning(trained, args.height, args.width)
     for spec in args.adapters:
         if spec != "base":
             try:  # where it is, its checkpoint's sha256 manifest, finiteness: before any model loads
@@ -127,6 +140,8 @@ def main(argv=None) -> None:
     rank = info.rank
     if rank == 0 and args.settings_from:
         print(args.settings_from, flush=True)
+    if rank == 0 and args.size_warning:
+        print(args.size_warning, file=sys.stderr, flush=True)
     model_path = resolve_model_path(args.model_path)
     scale = T.run_dir_cfg_scale(model_family(model_path), args)  # an explicit flag, else the --run_dir run's
     scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))

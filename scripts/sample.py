@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import training as T  # noqa: E402
-from models import SAMPLING_DEFAULTS, sampling_defaults  # noqa: E402
+from models import SAMPLING_DEFAULTS, sampling_defaults, size_warning  # noqa: E402
 
 # sample.py flag -> the trainer flag of a run (--run_dir) it defaults to
 RUN_DEFAULTS = {"model_path": "model_path", "height": "height", "width": "width", "guidance_scale": "guidance_scale",
@@ -99,18 +99,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_per_prompt < 1:
         parser.error("--num_per_prompt must be >= 1")
     return args
-
-
-def size_warning(trained: dict, height: int | None, width: int | None) -> str | None:
-    """A warning when the requested size is more than 2x away (per side) from the size the model folder says it was
-    trained at (`trained`: its sampling defaults), else None."""
-    if not trained.get("height") or not trained.get("width") or height is None or width is None:
-        return None
-    ratios = (height / trained["height"], width / trained["width"])
-    if all(0.5 <= r <= 2.0 for r in ratios):
-        return None
-    return (f"warning: {height}x{width} is far from the {trained['height']}x{trained['width']} this model samples "
-            f"at ({SAMPLING_DEFAULTS} of its folder): expect images it was not trained to draw")
 
 
 def prompt_rows(args, family: str) -> list:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from models import SAMPLING_DEFAULTS, sampling_defaults
+from models import SAMPLING_DEFAULTS, sampling_defaults, size_warning
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +43,7 @@ def test_sample_py_takes_the_model_folders_defaults_and_warns_far_from_them(tmp_
     explicit = sample.parse_args(base + ["--height", "512", "--width", "512", "--true_cfg_scale", "4"])
     assert (explicit.height, explicit.true_cfg_scale) == (512, 4.0)  # a flag given wins
     assert explicit.size_warning.startswith("warning: 512x512 is far from the 128x128 this model samples at")
-    assert sample.size_warning({"height": 128, "width": 128}, 256, 64) is None  # within 2x per side
+    assert size_warning({"height": 128, "width": 128}, 256, 64) is None  # within 2x per side
 
 
 @pytest.mark.parametrize("steps", [[10, 20], 20])
@@ -57,3 +57,23 @@ def test_the_ocr_mini_assembly_writes_the_defaults_it_was_evaluated_with(tmp_pat
                                                 "true_cfg_scale": 1.0}
     shipped = json.load(open(os.path.join(REPO, "assets", "ocr_mini", "build_info.json")))["recommended"]
     assert shipped["height"] == shipped["width"] == 128 and shipped["true_cfg_scale"] == 1.0
+
+
+def test_evaluate_py_takes_the_model_folders_defaults_unless_a_run_gives_them(tmp_path, tiny_models):
+    """evaluate.py without --run_dir samples as the folder says (its steps as the validation steps); a flag wins."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import evaluate
+
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(tiny_models, "qwen_image"), model)
+    base = ["--model_path", str(model), "--val_files", str(tmp_path / "test.parquet"), "--adapters", "base",
+            "--output_dir", str(tmp_path / "eval")]
+    plain = evaluate.parse_args(base)
+    assert (plain.height, plain.val_num_inference_steps, plain.true_cfg_scale) == (512, 50, None)
+    (model / SAMPLING_DEFAULTS).write_text(json.dumps({"height": 128, "width": 128, "num_inference_steps": 20,
+                                                       "true_cfg_scale": 1.0}))
+    args = evaluate.parse_args(base)
+    assert (args.height, args.width, args.val_num_inference_steps, args.true_cfg_scale) == (128, 128, 20, 1.0)
+    assert args.settings_from.endswith(SAMPLING_DEFAULTS) and args.size_warning is None
+    explicit = evaluate.parse_args(base + ["--height", "1024", "--width", "1024"])
+    assert explicit.height == 1024 and explicit.size_warning.startswith("warning: 1024x1024 is far from the 128x128")

@@ -1,6 +1,10 @@
-"""training/logs.py: the captions and the training-rollout grid that TensorBoard shows (`rollout/samples`)."""
+"""training/logs.py: the captions and the training-rollout grid that TensorBoard shows (`rollout/samples`); the
+`--logger wandb` checks that need no wandb installed (tests/test_wandb_logger.py has those that do)."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -32,3 +36,39 @@ def test_rollout_grid_shows_whole_groups_one_prompt_per_row():
     assert one.shape == (h + cap_h, n * w, 3)  # at least one whole group
     with pytest.raises(ValueError, match="for 3 prompts"):
         rollout_grid(images, ["p0", "p1", "p2"], n, rewards)
+
+
+def test_logger_wandb_without_wandb_is_one_line_naming_the_fix(monkeypatch, tmp_path):
+    """wandb is an optional extra: without it, --logger wandb is refused at start-up (WandbSetupError, raised on
+    every rank; `setup_run` reports it as a PreflightError) in one line naming `pip install wandb`, and the
+    TensorBoard writer it wraps is closed."""
+    from training.logs import TensorBoardLogger, WandbLogger, WandbSetupError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails as when it is not installed
+    tensorboard = TensorBoardLogger(str(tmp_path / "tensorboard"), enabled=True)
+    with pytest.raises(WandbSetupError) as info:
+        WandbLogger(tensorboard, str(tmp_path), config={}, project="p")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("--logger wandb: wandb cannot be imported")
+    assert message.endswith("install it with `pip install wandb`, or drop --logger wandb"), message
+    assert tensorboard.writer is None
+    assert not os.path.exists(tmp_path / "wandb_run_id.txt")
+
+
+def test_wandb_logger_of_another_rank_imports_nothing_and_writes_nothing(monkeypatch, tmp_path):
+    """Ranks other than 0 (TensorBoardLogger disabled) get a no-op: wandb is never imported (here it could not be),
+    no W&B run, no run id file, and every method does nothing."""
+    from PIL import Image
+
+    from training.logs import TensorBoardLogger, WandbLogger
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    logger = WandbLogger(TensorBoardLogger(str(tmp_path / "tensorboard"), enabled=False), str(tmp_path),
+                         config={"lr": 1.0}, project="p")
+    assert not logger.enabled and logger.run is None
+    logger.log_scalars({"x": float("nan")}, 1)
+    logger.log_image("val/samples", Image.new("RGB", (4, 4)), 1)
+    logger.log_text("run_metadata", "text")
+    logger.flush()
+    logger.close()
+    assert os.listdir(tmp_path) == []

@@ -76,9 +76,10 @@ from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapte
                          read_run_config)
 from .resume import ResumePlan, prepare_resume
 # 6. TensorBoard, metric reduction, image grids, timers, run metadata, the console log
-from .logs import (TensorBoardLogger, MetricAccumulator, reward_metrics, validation_metrics, timer, image_grid,
-                   sample_caption, rollout_grid, prompt_text, all_gather_objects, gather_first_images, Progress,
-                   git_commit, write_run_metadata, tee_console, log_only,
+from .logs import (TensorBoardLogger, WandbLogger, WandbSetupError, WANDB_RUN_ID_FILE, MetricAccumulator,
+                   reward_metrics, validation_metrics, timer, image_grid, sample_caption, rollout_grid, prompt_text,
+                   all_gather_objects, gather_first_images, Progress, git_commit, write_run_metadata, tee_console,
+                   log_only,
                    log_time, run_summary, LOG_FILE, HelpFormatter, console_log_path, discard_console_log)
 # 7. throughput, MFU per phase, peak memory: one call per trainer step
 from .perf import (perf_metrics, PEAK_TFLOPS_ENV, device_peak_flops, rollout_device_count, transformer_flops,

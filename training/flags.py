@@ -162,6 +162,16 @@ def add_common_args(parser) -> None:
     g.add_argument("--output_dir", default="outputs/run",
                    help="TensorBoard logs, checkpoints, adapters; one live run per folder (<output_dir>/RUN_LOCK)")
     g.add_argument("--log_every", type=int, default=1)
+    g.add_argument("--logger", default="tensorboard", choices=["tensorboard", "wandb"],
+                   help="'wandb' also mirrors every logged scalar, image and text to Weights & Biases (needs `pip "
+                        "install wandb`; WANDB_MODE=offline logs locally under <output_dir>/wandb, `wandb sync` "
+                        "uploads later); the TensorBoard files are always written")
+    g.add_argument("--wandb_project", default="flow-rl", help="W&B project (--logger wandb)")
+    g.add_argument("--wandb_name", default=None,
+                   help="W&B run name (None = the basename of --output_dir); a resume continues the same W&B run "
+                        "(its id is kept in <output_dir>/wandb_run_id.txt)")
+    g.add_argument("--wandb_entity", default=None,
+                   help="W&B entity, a user or team (None = the default entity of the logged-in account)")
     g.add_argument("--judge_log_freq", type=int, default=10,
                    help="every N training steps, append every judge reply of the step (verbatim, with the row, "
                         "ground truth and reward) to <output_dir>/judge_replies.jsonl; validation's are always "

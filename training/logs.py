@@ -1,8 +1,9 @@
-"""Logging: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
-`critic/*` reward/advantage stats (over the scored samples only: NaN, never 0.0, for a step that scored none),
-validation keys, image grids (over every rank's samples), a progress line with ETA, timers, run metadata (and
-reading it back for the after-training scripts), the console log file (held until the run holds its run lock; a full
-disk under it never breaks the run or its error report), and the `--help` formatter that shows defaults."""
+"""Logging: TensorBoard on rank 0 (also mirrored to Weights & Biases with --logger wandb), metric accumulation over
+micro-batches + one all_reduce over ranks, the `critic/*` reward/advantage stats (over the scored samples only: NaN,
+never 0.0, for a step that scored none), validation keys, image grids (over every rank's samples), a progress line
+with ETA, timers, run metadata (and reading it back for the after-training scripts), the console log file (held until
+the run holds its run lock; a full disk under it never breaks the run or its error report), and the `--help`
+formatter that shows defaults."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,14 +27,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .distributed import get_rank, get_world_size, is_main_process, launch_rank
+from .distributed import get_rank, get_world_size, is_main_process, launch_rank, on_rank0
 from .checkpoint import library_versions
 from .lifecycle import free_space_text, is_disk_full, run_lock_held
 
 __all__ = [
-    "TensorBoardLogger", "MetricAccumulator", "reward_metrics", "validation_metrics", "timer", "image_grid",
-    "sample_caption", "rollout_grid", "prompt_text", "all_gather_objects", "gather_first_images", "Progress",
-    "git_commit", "write_run_metadata", "tee_console", "log_only",
+    "TensorBoardLogger", "WandbLogger", "WandbSetupError", "WANDB_RUN_ID_FILE", "MetricAccumulator",
+    "reward_metrics", "validation_metrics", "timer", "image_grid", "sample_caption", "rollout_grid", "prompt_text",
+    "all_gather_objects", "gather_first_images", "Progress", "git_commit", "write_run_metadata", "tee_console",
+    "log_only",
     "log_time", "run_summary", "LOG_FILE", "HelpFormatter", "console_log_path", "discard_console_log",
 ]
 
@@ -75,6 +78,124 @@ class TensorBoardLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+WANDB_RUN_ID_FILE = "wandb_run_id.txt"  # <output_dir>/wandb_run_id.txt: the W&B run a resume continues
+_WANDB_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class WandbSetupError(RuntimeError):
+    """--logger wandb cannot start (no wandb, an unreadable run id file, `wandb.init` refused); the message names
+    the fix. `setup_run` reports it as a start-up refusal (`PreflightError`)."""
+
+
+class WandbLogger:
+    """`--logger wandb`: the TensorBoard writer it wraps (always written: the repository's tools, a resume's purge
+    and the tests read it) plus the same scalars, images and texts to Weights & Biases, on rank 0 only (other ranks
+    get a no-op object with the same methods).
+
+    `import wandb` happens here (wandb is an optional extra); the W&B run is `<output_dir>/wandb/` (`dir=`, so
+    WANDB_MODE=offline keeps its files in the run folder), named --wandb_name (default: the basename of the output
+    folder), with the run's flags as its config. Its id is kept in `<output_dir>/wandb_run_id.txt`: written when a
+    run starts at step 0 (a new W&B run, as TensorBoard hides an earlier attempt), read when it resumes from a
+    checkpoint (`wandb.init(id=..., resume="allow")`: the same W&B run). W&B cannot purge steps as TensorBoard's
+    `purge_step` does: online, a resumed W&B run continues after its last logged step and ignores, with a warning
+    ("Steps must be monotonically increasing"), what is logged at an earlier step, so the steps a resume replays
+    keep the first attempt's values there, while offline each attempt is its own folder under <output_dir>/wandb
+    (same run id) holding everything it logged. Collective while the process group is up (every rank constructs
+    it, as `setup_run` does): an error of rank 0 (no wandb, `wandb.init` refused) is raised on every rank as a
+    `WandbSetupError` naming the fix."""
+
+    def __init__(self, tensorboard: TensorBoardLogger, output_dir: str, *, config: Mapping[str, Any],
+                 project: str, name: str | None = None, entity: str | None = None, resume: bool = False) -> None:
+        """tensorboard: the run's TensorBoardLogger (its `enabled` decides this rank's W&B run too); config: the
+        run's flags (`vars(args)`; values wandb cannot store as JSON become strings); resume: the run continues
+        from a checkpoint (reuse the id in wandb_run_id.txt; a fresh id otherwise)."""
+        self.tensorboard = tensorboard
+        self.enabled = tensorboard.enabled
+        self.run: Any = None
+        self._wandb: Any = None
+
+        def start() -> None:
+            if self.enabled:
+                self._wandb, self.run = _start_wandb(output_dir, config=config, project=project, name=name,
+                                                     entity=entity, resume=resume)
+
+        try:
+            on_rank0(start, catch=(WandbSetupError, OSError), exc_type=WandbSetupError)
+        except BaseException:
+            tensorboard.close()
+            raise
+
+    def log_scalars(self, metrics: Mapping[str, float], step: int) -> None:
+        """TensorBoard, then one W&B history row at `step`. A non-finite value (the NaN reward stats of a step that
+        scored nothing) goes to W&B as the float it is: wandb stores NaN / inf and leaves a gap in the chart."""
+        self.tensorboard.log_scalars(metrics, step)
+        if self.run is not None:
+            self.run.log({key: float(value) for key, value in metrics.items()}, step=step)
+
+    def log_image(self, tag: str, image, step: int) -> None:
+        """image: a PIL image (e.g. from `image_grid`), a `wandb.Image` in the history row of `step`."""
+        self.tensorboard.log_image(tag, image, step)
+        if self.run is not None:
+            self.run.log({tag: self._wandb.Image(image.convert("RGB"))}, step=step)
+
+    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+        self.tensorboard.log_text(tag, text, step)
+        if self.run is not None:
+            # a summary string, not a history row: the one text the trainers log (run_metadata) comes at step 0 on
+            # every start, and a resumed W&B run ignores rows below its last step; the summary is not tied to a step
+            # and shows the latest attempt's text in the run's Overview
+            self.run.summary[tag] = text
+
+    def flush(self) -> None:
+        """TensorBoard's flush; W&B has no flush of its own: it writes a step's row once a later step (or `close`)
+        follows, so that what is logged later at the same step (validation) joins it."""
+        self.tensorboard.flush()
+
+    def close(self) -> None:
+        """Finish the W&B run (idempotent), then close TensorBoard."""
+        if self.run is not None:
+            run, self.run = self.run, None
+            run.finish()
+        self.tensorboard.close()
+
+
+def _start_wandb(output_dir: str, *, config: Mapping[str, Any], project: str, name: str | None,
+                 entity: str | None, resume: bool) -> tuple[Any, Any]:
+    """Import wandb and start (or, with `resume`, continue) the run of `output_dir`; returns (wandb, the run).
+    Raises WandbSetupError with the fix when wandb is missing, the id file is unreadable or wandb.init fails."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise WandbSetupError(f"--logger wandb: wandb cannot be imported ({e}); install it with `pip install wandb`, "
+                             f"or drop --logger wandb") from None
+    id_path = os.path.join(output_dir, WANDB_RUN_ID_FILE)
+    run_id = None
+    if resume and os.path.exists(id_path):
+        with open(id_path, encoding="utf-8") as f:
+            run_id = f.read().strip()
+        if not _WANDB_RUN_ID.fullmatch(run_id):
+            raise WandbSetupError(f"--logger wandb: {id_path} holds no W&B run id ({run_id[:40]!r}); delete it to "
+                                 f"log this resumed run to a new W&B run")
+    run_id = run_id or uuid.uuid4().hex[:16]
+    try:
+        run = wandb.init(project=project, entity=entity, name=name or os.path.basename(os.path.abspath(output_dir)),
+                         id=run_id, resume="allow", dir=output_dir,
+                         config=json.loads(json.dumps(dict(config), default=str)),
+                         # the console already goes to <output_dir>/train.log (`tee_console`): wandb leaves it
+                         # alone, and prints where the run is, not its history and summary at the end
+                         settings=wandb.Settings(console="off", quiet=True))
+    except Exception as e:  # noqa: BLE001 (not logged in, no network, a bad entity: one line with the ways out)
+        text = " ".join(str(e).split())
+        raise WandbSetupError(f"--logger wandb: wandb.init failed ({type(e).__name__}: {text}); log in with `wandb "
+                             f"login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, or drop --logger "
+                             f"wandb") from None
+    tmp = f"{id_path}.{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(run.id + "\n")
+    os.replace(tmp, id_path)
+    return wandb, run
 
 
 class MetricAccumulator:
@@ -377,7 +498,7 @@ def git_commit(repo_dir: str | None = None) -> str:
 
 
 def write_run_metadata(out_dir: str, config: Mapping[str, Any], *, seeds: Mapping[str, int] | None = None,
-                       logger: TensorBoardLogger | None = None,
+                       logger: TensorBoardLogger | WandbLogger | None = None,
                        rollout_env: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0: write `<out_dir>/run_metadata.json` (full config, versions, git commit, seeds, world size, argv,
     host, time; with `rollout_env`, the rollout workers' interpreter and library versions from

@@ -54,6 +54,7 @@ RESUME_LOGGED: frozenset[str] = frozenset({
     # run length, checkpoints, logging, stops
     "resume", "resume_force", "total_training_steps", "save_freq", "keep_last", "log_every", "output_dir",
     "max_consecutive_skips", "max_wall_time_s", "stop_save_budget_s", "save_on_exit", "judge_max_unusable_frac",
+    "logger", "wandb_project", "wandb_name", "wandb_entity",
     # validation only (never touches the training batches or the trainer RNG)
     "test_freq", "val_before_train", "num_val_images", "val_max_samples", "val_num_inference_steps", "val_seed",
     # TensorBoard's training-sample grid (rank 0 only; reads the step's samples, changes nothing)

@@ -31,8 +31,8 @@ from .checkpoint import (CheckpointError, GatheredState, _complete_steps, _on_ra
                          load_checkpoint, save_gathered, write_checkpoint)
 from .resume_policy import content_fingerprints
 from .resume import ResumePlan, prepare_resume
-from .logs import (Progress, TensorBoardLogger, all_gather_objects, discard_console_log, run_summary, tee_console,
-                   write_run_metadata)
+from .logs import (Progress, TensorBoardLogger, WandbLogger, WandbSetupError, all_gather_objects,
+                   discard_console_log, run_summary, tee_console, write_run_metadata)
 from .perf import perf_metrics
 from .flags import check_batch_sizes, parse_lora_init, resolve_device
 from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter
@@ -139,7 +139,7 @@ class Run:
     device: torch.device
     rank: int
     world: int
-    logger: TensorBoardLogger
+    logger: TensorBoardLogger | WandbLogger  # --logger
     model: Any                     # the FlowModel wrapper (transformer only: trainer ranks never encode or decode)
     adapter_names: tuple[str, ...]
     lora_config: Any
@@ -554,7 +554,14 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     rollout_env = check_rollout_python(args.rollout_python, args.rollout_engine) if dist_info.is_local_main \
         else None
     plan, ckpt_config = prepare_output_dir(args, config, adapter_names)  # model-free: --resume decided and checked
-    logger = TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"), purge_step=plan.purge_step)
+    logger: TensorBoardLogger | WandbLogger = TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"),
+                                                                purge_step=plan.purge_step)
+    if args.logger == "wandb":  # mirrors to W&B; the TensorBoard files are written all the same
+        try:  # collective: rank 0's error is raised on every rank, a start-up refusal like preflight's
+            logger = WandbLogger(logger, args.output_dir, config=config, project=args.wandb_project,
+                                 name=args.wandb_name, entity=args.wandb_entity, resume=plan.path is not None)
+        except WandbSetupError as e:
+            raise PreflightError(str(e)) from None
     write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger,
                        rollout_env=rollout_env)
 
