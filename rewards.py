@@ -56,7 +56,7 @@ from PIL import Image
 
 from reward_models.genrm import (
     GENRM_MAX_BACKOFF_S, REPLY_TOO_LARGE, DaemonThreadPool, GenRMHttpReader, GenRMLocalReader, GenRMServerError,
-    SamplingConfig, _JudgeUrls, genrm_request_budget_s,
+    SamplingConfig, JudgeUrls, genrm_request_budget_s,
 )
 from reward_models.pickscore import PickScore, default_cache_dir
 from reward_models.rapidocr import RapidOCRReader
@@ -323,7 +323,7 @@ def add_reward_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ocr_backend", choices=OCR_BACKENDS, default="http",
                    help="reader for data_source 'ocr': http = OpenAI-compatible GenRM server (vllm serve), "
                         "local = Qwen3-VL-Instruct with transformers in this process, rapidocr = CPU OCR engine")
-    g.add_argument("--genrm_url", default="http://127.0.0.1:8000", action=_JudgeUrls,
+    g.add_argument("--genrm_url", default="http://127.0.0.1:8000", action=JudgeUrls,
                    help="GenRM server base URL (http backend); repeat it (or separate URLs by commas) for judge "
                         "replicas: requests go round-robin, a failing replica's retry goes to the next; a bearer "
                         "key is read from $GENRM_API_KEY if set")

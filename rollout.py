@@ -33,9 +33,9 @@ from engines.contract import ENGINES, RolloutRequest, RolloutResult
 from engines.layout import (COLOCATED, AdapterBuffer, adapter_layout, adapter_sources, gpu_index, layout_numel,
                             node_worker_devices, resolve_sync, worker_cuda_devices)
 from engines.native import NativeEngine
-from engines.protocol import ProtocolError, _recv, _send, handshake_error, peer_info
+from engines.protocol import ProtocolError, recv_message, send_message, handshake_error, peer_info
 from engines.sampler import rl_denoise, row_seed
-from engines.worker import ENTRY_SCRIPT, RolloutEnvError, _worker_env, check_rollout_python
+from engines.worker import ENTRY_SCRIPT, RolloutEnvError, worker_process_env, check_rollout_python
 
 # what code outside uses as `rollout.X` (the contract, the in-process engine and the trainers' helpers)
 __all__ = [
@@ -94,7 +94,7 @@ class PendingRollout:
         worker, (first, _) = self.workers[i], self.blocks[i]
         try:
             while True:
-                message = _recv(worker.process.stdout)
+                message = recv_message(worker.process.stdout)
                 self._active[i] = time.monotonic()
                 if not message.get("ok"):
                     self._outcome[i] = ("error", f"{message.get('error')}\n{message.get('traceback', '')}")
@@ -181,7 +181,7 @@ class RolloutGroup:
     dies) leaves no process behind. attention_backend: the workers' SDPA backend (`models.base.attention_backend`);
     compile_blocks: a native engine compiles its transformer blocks (`models.base.compile_blocks`);
     profile_generate N > 0: each worker records a torch.profiler trace of its N-th generate request into
-    `log_dir`/profile-worker-<index>.json.gz (`training.step_profiler`).
+    `log_dir`/profile-worker-<index>.json.gz (`engines.profiler.step_profiler`).
     """
 
     def __init__(self, model_path: str, devices: Sequence[str], *, engine: str = "native", dtype: str = "float32",
@@ -203,7 +203,7 @@ class RolloutGroup:
         script = ENTRY_SCRIPT
         try:
             for index, device in enumerate(devices):
-                worker_env = _worker_env(env)
+                worker_env = worker_process_env(env)
                 local_device, ipc_index = device, None
                 if device.startswith("cuda"):
                     worker_env["CUDA_VISIBLE_DEVICES"], ipc_index = worker_cuda_devices(
@@ -227,7 +227,7 @@ class RolloutGroup:
             ours = peer_info()
             for worker in self.workers:  # the handshake: both sides send theirs, each refuses an incompatible peer
                 try:
-                    _send(worker.process.stdin, {"op": "hello", **ours})
+                    send_message(worker.process.stdin, {"op": "hello", **ours})
                 except (BrokenPipeError, OSError):
                     raise self._fail(worker, "is gone (could not send the handshake)") from None
             for worker in self.workers:
@@ -261,7 +261,7 @@ class RolloutGroup:
             ready, _, _ = select.select([stdout], [], [], min(remaining, 1.0))
             if ready:
                 try:
-                    return _recv(stdout)
+                    return recv_message(stdout)
                 except EOFError:
                     code = worker.process.wait(timeout=10)
                     raise self._fail(worker, f"died during {what} (exit code {code})") from None
@@ -282,7 +282,7 @@ class RolloutGroup:
             raise RolloutError(f"the rollout group is closed{': ' + self.closed_reason if self.closed_reason else ''}")
         for worker, message in zip(self.workers, messages):
             try:
-                _send(worker.process.stdin, message)
+                send_message(worker.process.stdin, message)
             except (BrokenPipeError, OSError):
                 raise self._fail(worker, f"is gone (could not send {what})") from None
         replies = [self._read(worker, self.timeout_s, what) for worker in self.workers[: len(messages)]]
@@ -316,7 +316,7 @@ class RolloutGroup:
         for i, worker in enumerate(self.workers[:k]):
             message = {"op": "generate", "request": request.select(range(bounds[i], bounds[i + 1])).to_dict()}
             try:
-                _send(worker.process.stdin, message)
+                send_message(worker.process.stdin, message)
             except (BrokenPipeError, OSError):
                 raise self._fail(worker, "is gone (could not send generate)") from None
         self._pending = PendingRollout(self, request, [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(k)],

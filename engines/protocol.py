@@ -67,7 +67,7 @@ def check_plain(value: Any, path: str = "message") -> None:
                         "e.g. a PIL image to a uint8 (3, H, W) tensor, a numpy value to a tensor or a Python number)")
 
 
-def _send(stream, message: Any) -> None:
+def send_message(stream, message: Any) -> None:
     """Write one message (refused with `ProtocolError` before anything is written unless it is plain data)."""
     check_plain(message)
     buffer = io.BytesIO()
@@ -89,7 +89,7 @@ def _read_exact(stream, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv(stream) -> Any:
+def recv_message(stream) -> Any:
     """One message; works on buffered and raw (short-reading) streams.
 
     The payload is read with `torch.load(weights_only=True)` (no arbitrary classes are ever unpickled) and then

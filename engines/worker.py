@@ -2,8 +2,8 @@
 `rollout.RolloutGroup`) and the model-free environment probe (`python rollout.py --probe`, run by
 `check_rollout_python`): engine construction, the request loop, and the launch environment of both.
 
-Imports torch, `models/`, `training.profiling` and the lower layers of `engines/` (contract, layout, native,
-vllm_omni, protocol); never `rollout`. `rollout.py` stays the processes' entry script (its `__main__` calls
+Imports torch, `models/` and the lower layers of `engines/` (contract, layout, native, vllm_omni, protocol, and the
+leaf `profiler`); never `rollout`. `rollout.py` stays the processes' entry script (its `__main__` calls
 `main` here), so the command line of a worker is unchanged.
 """
 
@@ -25,7 +25,7 @@ import torch
 from engines.contract import ENGINES, RolloutRequest
 from engines.layout import release_memory
 from engines.native import NativeEngine
-from engines.protocol import ChannelBroken, ProtocolError, _recv, _send, handshake_error, peer_info
+from engines.protocol import ChannelBroken, ProtocolError, recv_message, send_message, handshake_error, peer_info
 from engines.vllm_omni import VllmOmniEngine, import_vllm_omni
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +102,7 @@ class RolloutEnvError(RuntimeError):
     """--rollout_python cannot run the rollout workers (raised before any model is loaded)."""
 
 
-def _worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def worker_process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a worker / probe process: ours plus `extra`, with this repository first on PYTHONPATH."""
     env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -142,7 +142,7 @@ def check_rollout_python(python: str | None, engine: str, *, timeout_s: float = 
     command = [resolved, ENTRY_SCRIPT, "--probe", "--engine", engine]
     try:
         proc = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s,
-                              env=_worker_env())
+                              env=worker_process_env())
     except subprocess.TimeoutExpired:
         raise RolloutEnvError(f"{flag}: importing the {engine} engine took over {timeout_s:.0f} s; {fix}") from None
     except OSError as e:  # e.g. not a program (exec format error), permission denied
@@ -190,29 +190,30 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     channel_in, channel_out = sys.stdin.buffer, _private_stdout()
     ours = peer_info()
-    _send(channel_out, {"op": "hello", **ours})  # before any heavy import: a mismatch is refused within seconds
+    send_message(channel_out, {"op": "hello", **ours})  # before any heavy import: a mismatch is refused within seconds
     try:
-        problem = handshake_error(ours, _recv(channel_in), peer="the trainer")
+        problem = handshake_error(ours, recv_message(channel_in), peer="the trainer")
     except EOFError:
         return
     except ProtocolError as e:
         problem = f"the trainer's handshake was refused: {e}"
     if problem:
-        _send(channel_out, {"ok": False, "error": f"ProtocolError: {problem}", "traceback": ""})
+        send_message(channel_out, {"ok": False, "error": f"ProtocolError: {problem}", "traceback": ""})
         return
     try:
         engine = build_engine(args.engine, args.model_path, device=args.device, dtype=getattr(torch, args.dtype),
                               max_batch_size=args.max_batch_size, cfg_batch=args.cfg_batch,
                               **({"compile_blocks": True} if args.compile_blocks and args.engine == "native" else {}))
-        _send(channel_out, {"ok": True, "ready": True})
+        send_message(channel_out, {"ok": True, "ready": True})
     except Exception as e:  # report the load failure to the parent, then exit
-        _send(channel_out, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        send_message(channel_out, {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                   "traceback": traceback.format_exc()})
         return
     from models.base import attention_backend
 
     profiler = None
     if args.profile_generate > 0:
-        from training.profiling import step_profiler
+        from engines.profiler import step_profiler
 
         profiler = step_profiler(args.profile_path, step=args.profile_generate, first_step=1,
                                  cuda=args.device.startswith("cuda"))
@@ -226,18 +227,18 @@ def _serve(engine: Any, channel_in, channel_out, device: str, profiler: Any) -> 
     every generate request."""
     while True:
         try:
-            message = _recv(channel_in)
+            message = recv_message(channel_in)
         except (EOFError, ChannelBroken):
             return
         except ProtocolError as e:  # the frame was consumed: refuse it and stay in step
-            _send(channel_out, {"ok": False, "error": f"ProtocolError: {e}", "traceback": ""})
+            send_message(channel_out, {"ok": False, "error": f"ProtocolError: {e}", "traceback": ""})
             continue
         op = message.get("op") if type(message) is dict else None
         try:
             if op == "generate":  # streamed: one message per finished chunk, then "done" (or an error, which ends it)
                 with torch.profiler.record_function("timing_s/gen"):
                     for start, part in engine.generate_chunks(RolloutRequest.from_dict(message["request"])):
-                        _send(channel_out, {"ok": True, "chunk": {"start": start, "result": part.to_dict()}})
+                        send_message(channel_out, {"ok": True, "chunk": {"start": start, "result": part.to_dict()}})
                 if profiler is not None:
                     profiler.step()
                 reply = {"ok": True, "done": True, "memory": release_memory(device)}
@@ -254,9 +255,9 @@ def _serve(engine: Any, channel_in, channel_out, device: str, profiler: Any) -> 
         except Exception as e:
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         try:
-            _send(channel_out, reply)
+            send_message(channel_out, reply)
         except ProtocolError as e:  # refused before a byte was written: report it instead of the reply
-            _send(channel_out, {"ok": False, "error": f"ProtocolError: the worker's reply to {op!r}: {e}",
+            send_message(channel_out, {"ok": False, "error": f"ProtocolError: the worker's reply to {op!r}: {e}",
                                 "traceback": ""})
 
 

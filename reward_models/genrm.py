@@ -427,7 +427,7 @@ class _GivenUrls(str):
     """A `--genrm_url` value given on the command line (a plain `str` is still the default)."""
 
 
-class _JudgeUrls(argparse.Action):
+class JudgeUrls(argparse.Action):
     """`--genrm_url URL` repeated (and/or comma-separated) -> one comma-separated string of judge replicas; the
     first use replaces the default."""
 

@@ -461,7 +461,8 @@ def collect_profiles(run_dir: str, label: str, profile_dir: str, smoke: bool,
 def _read_profile(path: str, kept: str, max_bytes: int, smoke: bool) -> tuple[dict[str, Any], dict[str, Any], str]:
     """One trace of `collect_profiles`: (its kept copy's record, its table as a dict or {"error": ...}, the table
     as text or "")."""
-    from training.profiling import format_profile_table, load_trace, profile_table
+    from engines.profiler import load_trace
+    from training.profiling import format_profile_table, profile_table
 
     events = load_trace(path)
     slim = os.path.getsize(path) > max_bytes

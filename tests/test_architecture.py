@@ -4,7 +4,8 @@ Every product module (the top-level *.py files and the packages `engines/`, `mod
 `training/`, `data_prep/`) is parsed with `ast`, never imported, and every import in it counts: module level, inside
 functions, under `TYPE_CHECKING`, relative (`from . import x`, `from .flags import y`). An edge A -> B means module A imports project
 module B (`from pkg import name` points at `pkg.name` when that is a module, else at `pkg`). The rollout code is
-layered (`engines/__init__.py`); a cycle anywhere is reported as its path, e.g. `a -> b -> a`.
+layered (`engines/__init__.py`); a cycle anywhere is reported as its path, e.g. `a -> b -> a`. A name that crosses
+a module is public: no product module imports or reads another project module's `_name`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,49 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+
+def private_names_across_modules(root: Path, packages: tuple[str, ...] = PRODUCT_PACKAGES) -> list[str]:
+    """Every use of another project module's private name (`_name`, not a dunder) in the product code, as
+    "module:line: text": `from X import _name` in any form (absolute, relative, inside functions) where X or
+    X._name is a project module, and `alias._name` where `alias` is bound in that file by an import of a
+    project module (`import a.b as alias`, `from pkg import module`, `import pkg`)."""
+    modules = product_modules(root, packages)
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    found: list[str] = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        aliases: dict[str, str] = {}  # a name bound to a project module in this file -> that module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name in modules:
+                        aliases[alias.asname] = alias.name
+                    elif not alias.asname and alias.name.split(".")[0] in modules:
+                        aliases[alias.name.split(".")[0]] = alias.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".") if package else []
+                    if node.level > 1:
+                        base = base[: len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}" if source else alias.name
+                    if submodule in modules and submodule != name:
+                        aliases[alias.asname or alias.name] = submodule
+                    if private(alias.name) and source in modules and source != name:
+                        found.append(f"{name}:{node.lineno}: from {source} import {alias.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
+                    and aliases.get(node.value.id, name) != name):
+                found.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    return sorted(found)
+
 def test_the_product_code_has_no_import_cycle():
     graph = import_graph(REPO)
     # the graph covers what it must: the trainers' module, the layers, and imports inside functions
@@ -124,9 +168,11 @@ def test_the_rollout_layers_import_only_lower_layers():
                     f"{module} imports {target}, a layer at or above its own"
     assert graph["engines.vllm_omni_pipelines"] & set(order) == {"engines.sampler"}
     assert graph["engines"] == set()  # the package's __init__ stays import-light
-    # the one arrow up (docs/ARCHITECTURE.md): the worker's step profiler, a leaf module
+    # no arrow up (docs/ARCHITECTURE.md): the worker's step profiler is `engines.profiler`, a leaf that training/ imports
     upward = {(m, t) for m in order for t in graph[m] if t.split(".")[0] in ("training", "train_nft", "train_dppo")}
-    assert upward == {("engines.worker", "training.profiling")} and graph["training.profiling"] == set()
+    assert upward == set(), f"the rollout layers import training/ or a trainer: {sorted(upward)}"
+    assert "engines.profiler" in graph["engines.worker"] and "engines.profiler" in graph["training.profiling"]
+    assert graph["engines.profiler"] == set()
 
 
 def test_the_checker_finds_a_cycle(tmp_path):
@@ -148,6 +194,34 @@ def test_the_checker_finds_a_cycle(tmp_path):
     (tmp_path / "pkg" / "b.py").write_text("import pkg.sub\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.b", "pkg.sub", "pkg.b"]
 
+
+
+def test_no_module_uses_a_private_name_of_another():
+    """A name that crosses a module is public: no product module imports or reads another's `_name`."""
+    found = private_names_across_modules(REPO)
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_the_private_name_checker_finds_each_form(tmp_path):
+    """A synthetic tree: the forms that must be found (absolute, relative, two levels up, inside a function, through
+    an `import ... as` alias and a `from pkg import module` alias) and the ones that must not (a module's own
+    `_name`, dunders, `self._x`, an attribute of a non-project module)."""
+    (tmp_path / "a.py").write_text("import os\n_secret = 1\n__version__ = '1'\nx = os._exit\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "b.py").write_text("def _helper():\n    return _helper\n")
+    (tmp_path / "pkg" / "c.py").write_text("from a import __version__\nclass C:\n    def f(self):\n"
+                                           "        return self._x\n")
+    (tmp_path / "d.py").write_text("import a\nprint(a.__name__)\n")
+    assert private_names_across_modules(tmp_path, ("pkg",)) == []
+    (tmp_path / "pkg" / "c.py").write_text("from .b import _helper\n\ndef f():\n    from a import _secret\n")
+    (tmp_path / "d.py").write_text("import a\nimport pkg.b as bee\nfrom pkg import b\nprint(a._secret, bee._helper, "
+                                   "b._helper)\n")
+    (tmp_path / "pkg" / "sub").mkdir()
+    (tmp_path / "pkg" / "sub" / "__init__.py").write_text("from ..b import _helper\n")
+    assert private_names_across_modules(tmp_path, ("pkg",)) == [
+        "d:4: a._secret (a)", "d:4: b._helper (pkg.b)", "d:4: bee._helper (pkg.b)",
+        "pkg.c:1: from pkg.b import _helper", "pkg.c:4: from a import _secret", "pkg.sub:1: from pkg.b import _helper"]
 
 def test_the_checker_reads_the_real_tree_without_importing_it():
     """Parsing only: the graph is built from source text (e.g. vllm-omni, absent here, is never imported). Run in a

@@ -116,7 +116,7 @@ def test_a_large_trace_is_kept_without_its_cpu_ops(smoke, tmp_path):
     still read from the whole trace."""
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     import bench_step
-    from training.profiling import load_trace
+    from engines.profiler import load_trace
 
     result, _, path = smoke
     kept = bench_step.collect_profiles(str(path.parent / "work" / "qwen_dppo-optimized"), "x", str(tmp_path),

@@ -17,6 +17,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
+from training.model import full_tensor  # noqa: E402
 from models import lora  # noqa: E402
 from models.base import BLOCK_GRAPH_LIMIT, compile_blocks, transformer_blocks  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
@@ -92,13 +93,13 @@ def test_bf16_stored_base_equals_fp32_base_under_the_bf16_policy():
             y = model(x)
             y.float().pow(2).mean().backward()
             outs.append(y.detach())
-            grads = [T._full(p.grad) for _, p in T.adapter_params(model, "default")]
+            grads = [full_tensor(p.grad) for _, p in T.adapter_params(model, "default")]
             assert all(g.dtype == torch.float32 for g in grads)
             opt.step()
             opt.zero_grad(set_to_none=True)
         assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
     for (n, p), (_, q) in zip(T.adapter_params(ref, "default"), T.adapter_params(new, "default")):
-        assert torch.equal(T._full(p), T._full(q)), n
+        assert torch.equal(full_tensor(p), full_tensor(q)), n
     state = next(iter(opts[1].state.values()))
     assert state["exp_avg"].dtype == torch.float32
 
@@ -167,7 +168,7 @@ def nft_micro_steps(model, optimizer, inputs, forward=None):
         ((v.float() - v_old.float()).pow(2).mean() + v.float().pow(2).mean() + 1e-2 * v_ref.float().mean()).backward()
         outs += [v.detach(), v_old, v_ref]
         if i % 2 == 1:
-            grads.append([None if p.grad is None else T._full(p.grad).clone()
+            grads.append([None if p.grad is None else full_tensor(p.grad).clone()
                           for _, p in T.adapter_params(_transformer(model), "default")])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -201,7 +202,7 @@ def test_one_rank_placement_equals_fsdp2_bit_for_bit():
     assert all(g.dtype == torch.float32 for step in grads_b for g in step)
     assert all(torch.equal(a, b) for sa, sb in zip(grads_a, grads_b) for a, b in zip(sa, sb))
     for (n, p), (_, q) in zip(T.adapter_params(fsdp, "default"), T.adapter_params(direct, "default")):
-        assert torch.equal(T._full(p), q), n
+        assert torch.equal(full_tensor(p), q), n
     # a block called with an fp32 argument: FSDP2 casts it to bf16 before the block's bf16 weights see it; so must
     # the one-rank placement (without its block hook the bf16 base Linear would refuse the fp32 input)
     h = torch.randn(2, 5, 8)

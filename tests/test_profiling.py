@@ -1,6 +1,6 @@
 """`training.profiling`: the per-phase profile table (`profile_table`) on hand-made trace events with known
-answers, and on the trace of a tiny CPU loop recorded by `step_profiler` (CPU activities only), whose phases hold a
-known number of matmuls, `.item()` reads and a sleep; `attention_backend`'s math path."""
+answers, and on the trace of a tiny CPU loop recorded by `engines.profiler.step_profiler` (CPU activities only), whose
+phases hold a known number of matmuls, `.item()` reads and a sleep; `attention_backend`'s math path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import training as T
-from training.profiling import load_trace, profile_table
+from engines.profiler import load_trace, step_profiler
+from training.profiling import profile_table
 
 
 def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1, pid: int = 1) -> dict:
@@ -57,7 +58,7 @@ def test_table_of_a_tiny_cpu_run(tmp_path):
     matmuls, 7 `.item()` reads and a 40 ms sleep, and the table must say exactly that of one iteration."""
     path = str(tmp_path / "trace.json.gz")
     a, b = torch.randn(192, 192), torch.randn(192, 192)
-    profiler = T.step_profiler(path, step=3, first_step=1, cuda=False)
+    profiler = step_profiler(path, step=3, first_step=1, cuda=False)
     with profiler:
         for _ in range(3):
             timings: dict[str, float] = {}

@@ -113,14 +113,14 @@ def test_message_framing_round_trip():
 
     buffer = io.BytesIO()
     message = {"op": "x", "t": torch.arange(5.0), "nested": [1, "a"]}
-    protocol._send(buffer, message)
-    protocol._send(buffer, {"op": "y"})
+    protocol.send_message(buffer, message)
+    protocol.send_message(buffer, {"op": "y"})
     buffer.seek(0)
-    first = protocol._recv(buffer)
+    first = protocol.recv_message(buffer)
     assert torch.equal(first["t"], message["t"]) and first["nested"] == [1, "a"]
-    assert protocol._recv(buffer) == {"op": "y"}
+    assert protocol.recv_message(buffer) == {"op": "y"}
     with pytest.raises(EOFError):
-        protocol._recv(buffer)
+        protocol.recv_message(buffer)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -334,11 +334,11 @@ def test_a_message_that_is_not_plain_data_is_refused_on_receive_and_on_send(name
     stream = io.BytesIO(_raw_frame({"op": "generate", "request": {"seeds": [1], "bad": value}})
                         + _raw_frame({"op": "next"}))
     with pytest.raises(protocol.ProtocolError, match="refused a message|cannot cross|keys must be str"):
-        protocol._recv(stream)
-    assert protocol._recv(stream) == {"op": "next"}  # the refused frame was consumed whole: still in step
+        protocol.recv_message(stream)
+    assert protocol.recv_message(stream) == {"op": "next"}  # the refused frame was consumed whole: still in step
     out = io.BytesIO()
     with pytest.raises(protocol.ProtocolError):
-        protocol._send(out, {"op": "x", "payload": [value]})
+        protocol.send_message(out, {"op": "x", "payload": [value]})
     assert out.getvalue() == b""  # refused before a byte was written
 
 
@@ -348,12 +348,12 @@ def test_plain_message_kinds_round_trip_and_bad_frames_break_the_channel():
     message = {"none": None, "flag": True, "n": 3, "x": 0.5, "s": "é", "pair": (1, 2), "rows": [[1], []],
                "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "u8": torch.zeros(3, 2, 2, dtype=torch.uint8)}
     buffer = io.BytesIO()
-    protocol._send(buffer, message)
-    got = protocol._recv(io.BytesIO(buffer.getvalue()))
+    protocol.send_message(buffer, message)
+    got = protocol.recv_message(io.BytesIO(buffer.getvalue()))
     assert got.keys() == message.keys() and got["pair"] == (1, 2) and got["t"].dtype == torch.bfloat16
     assert torch.equal(got["t"], message["t"]) and type(got["n"]) is int and type(got["flag"]) is bool
     with pytest.raises(protocol.ChannelBroken, match="not a rollout-channel frame"):
-        protocol._recv(io.BytesIO(b"INFO vllm says hello\n" + buffer.getvalue()))
+        protocol.recv_message(io.BytesIO(b"INFO vllm says hello\n" + buffer.getvalue()))
 
 
 def test_request_and_result_dicts_are_plain():
@@ -417,12 +417,12 @@ def test_worker_refuses_a_trainer_that_speaks_another_protocol(tmp_path):
 
     process = subprocess.Popen([sys.executable, rollout.__file__, "--worker", "--model-path", str(tmp_path)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               env=worker._worker_env())
+                               env=worker.worker_process_env())
     try:
-        hello = protocol._recv(process.stdout)
+        hello = protocol.recv_message(process.stdout)
         assert hello["op"] == "hello" and hello["protocol"] == protocol.PROTOCOL_VERSION
-        protocol._send(process.stdin, dict(protocol.peer_info(), op="hello", protocol=0, torch="1.0"))
-        reply = protocol._recv(process.stdout)
+        protocol.send_message(process.stdin, dict(protocol.peer_info(), op="hello", protocol=0, torch="1.0"))
+        reply = protocol.recv_message(process.stdout)
         assert reply["ok"] is False
         assert "the trainer speaks rollout protocol 0 (python" in reply["error"] and "torch 1.0" in reply["error"]
         assert process.wait(timeout=60) == 0  # exits without loading the model
@@ -433,8 +433,8 @@ def test_worker_refuses_a_trainer_that_speaks_another_protocol(tmp_path):
 def test_a_worker_reply_that_is_not_plain_is_refused(tmp_path):
     body = ("import io, sys, numpy, torch\nfrom engines import protocol, worker\n"
             "out = worker._private_stdout()\n"
-            "protocol._send(out, dict(protocol.peer_info(), op='hello'))\n"
-            "protocol._recv(sys.stdin.buffer)\n"
+            "protocol.send_message(out, dict(protocol.peer_info(), op='hello'))\n"
+            "protocol.recv_message(sys.stdin.buffer)\n"
             "buffer = io.BytesIO(); torch.save({'ok': True, 'ready': numpy.ones(2)}, buffer)\n"
             "out.write(protocol._HEADER.pack(protocol._MAGIC, len(buffer.getvalue())) + buffer.getvalue())\n"
             "out.flush()\n"

@@ -27,6 +27,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
+from training.model import full_tensor  # noqa: E402
 from models import lora  # noqa: E402
 from models.base import transformer_blocks  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
@@ -178,7 +179,7 @@ def test_nft_forward_pattern_with_checkpointing_and_fsdp():
             ck(x)
     loss.backward()
     for (n, p), (_, q) in zip(T.adapter_params(plain, "default"), T.adapter_params(ck, "default")):
-        torch.testing.assert_close(T._full(q.grad), p.grad, rtol=1e-6, atol=1e-7, msg=n)
+        torch.testing.assert_close(full_tensor(q.grad), p.grad, rtol=1e-6, atol=1e-7, msg=n)
     assert all(q.grad is None for _, q in T.adapter_params(ck, "old"))
 
 
@@ -255,11 +256,11 @@ def test_grad_norm_clipping_with_dtensor_grads():
     params = [p for _, p in T.adapter_params(model, "default")]
     opt = torch.optim.SGD(params, lr=1.0)  # SGD with lr 1: the update IS the clipped gradient
     model(torch.randn(2, 5, 4)).pow(2).mean().backward()
-    expected_norm = math.sqrt(sum(float(T._full(p.grad).double().pow(2).sum()) for p in params))
-    before = {n: T._full(p.detach()).clone() for n, p in T.adapter_params(model, "default")}
+    expected_norm = math.sqrt(sum(float(full_tensor(p.grad).double().pow(2).sum()) for p in params))
+    before = {n: full_tensor(p.detach()).clone() for n, p in T.adapter_params(model, "default")}
     m = T.GradStepper(max_grad_norm=1e-3).step(opt)
     assert m["actor/grad_norm"] == pytest.approx(expected_norm, rel=1e-6) and expected_norm > 1e-3
-    update = math.sqrt(sum(float((T._full(p.detach()) - before[n]).double().pow(2).sum())
+    update = math.sqrt(sum(float((full_tensor(p.detach()) - before[n]).double().pow(2).sum())
                            for n, p in T.adapter_params(model, "default")))
     assert update == pytest.approx(1e-3, rel=1e-4)
 
@@ -449,7 +450,7 @@ def test_exact_resume(trained_checkpoint):
     opt_state = opt.state_dict()["state"]
     for i, s in final_opt["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(T._full(opt_state[i][key]), T._full(s[key])), (i, key)
+            assert torch.equal(full_tensor(opt_state[i][key]), full_tensor(s[key])), (i, key)
 
 
 def test_resume_without_rng_restore_would_differ(trained_checkpoint):
@@ -858,7 +859,7 @@ def test_nonfinite_loss_gradient_or_update_skips_the_step_and_undoes_it():
     assert stepper.step(opt)["actor/step_skipped"] == 0.0  # AdamW state exists from here on
 
     def snapshot():
-        state = {n: {k: T._full(v).clone() for k, v in opt.state[p].items()} for n, p in T.adapter_params(model)}
+        state = {n: {k: full_tensor(v).clone() for k, v in opt.state[p].items()} for n, p in T.adapter_params(model)}
         return full_params(model, "default"), state
 
     def unchanged(before):

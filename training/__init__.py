@@ -32,9 +32,10 @@ One module per section, read in this order (`import training as T` gives every p
 12. `validation.py`: ODE validation on the test split, one code path for training and scripts/evaluate.py.
 13. `preflight.py`: every start-up check that needs no model (flags, image size, every dataset row against the
    rewards, output folder, one judge request), run by `setup_run` before anything loads.
-14. `profiling.py`: `step_profiler` (a torch.profiler trace of one step, gzipped; the rollout workers' generate
-   call), `ProfileWindow` (a trainer step up to its first K update micro-steps) and `profile_table`, the pure
-   per-phase table of device busy / idle time, host reads, memory copies (and what issued them) and top kernels.
+14. `profiling.py`: `ProfileWindow` (a torch.profiler trace of a trainer step up to its first K update
+   micro-steps, gzipped, with the settings and trace files of the leaf module `engines/profiler.py`, whose `step_profiler`
+   the rollout workers use) and `profile_table`, the pure per-phase table of device busy / idle time, host reads,
+   memory copies (and what issued them) and top kernels.
 15. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
    validate, checkpoint, the divergence stop), the SIGTERM/SIGINT/SIGHUP and --max_wall_time_s stops at a step boundary,
    the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, so each
@@ -52,13 +53,13 @@ from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_r
                           get_local_rank, is_main_process, is_local_main_process, barrier, all_gather_cat,
                           seed_everything, RankFailed, raise_if_any_rank_failed, on_rank0, collective_timeout_s,
                           COLLECTIVE_TIMEOUT_MARGIN_S, scores_http_judge)
-# 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors (`_full`: not public, tests use it)
+# 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors
 from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter,
                     apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
                     base_weight_dtype, cast_frozen_base_, FSDP_MODES, shard_transformer, ComputeDtypeLinear,
                     place_on_one_rank,
                     prepare_transformer, adapter_state_dict, load_adapter_state_, save_adapter_dir,
-                    adapter_config_dict, load_flow_model, _full)
+                    adapter_config_dict, load_flow_model)
 # 3. AdamW, lr schedules, the checked optimizer step, the `old` adapter refresh
 from .optim import (build_optimizer, LR_SCHEDULES, lr_multiplier, build_lr_scheduler, lr_scheduler_state,
                     load_lr_scheduler_state_, GradStepper, ema_adapter_, adapters_equal, old_policy_refresh)
@@ -105,9 +106,9 @@ from .validation import ValidationOutcome, run_validation, validate
 from .preflight import (PreflightError, run_preflight, check_flags, check_datasets, check_rewards, check_output_dir,
                         probe_judge, rewards_used, check_reward_signs, check_rollout_devices, check_init_adapter,
                         truncated_prompts)
-# 14. torch.profiler trace of one step and its per-phase table
-from .profiling import (step_profiler, ProfileWindow, export_trace, load_trace, PhaseRow, KernelRow, LauncherRow,
-                        ProfileTable, profile_table, format_profile_table, PHASE_PREFIX, WINDOW_PHASE, STEP_PHASE)
+# 14. torch.profiler trace of one trainer step and its per-phase table
+from .profiling import (ProfileWindow, PhaseRow, KernelRow, LauncherRow, ProfileTable, profile_table,
+                        format_profile_table, PHASE_PREFIX, WINDOW_PHASE, STEP_PHASE)
 # 15. setup_run / Run: the setup and the tail of every step
 from .run import Run, setup_run, StopSignals, TrainingDiverged, prepare_output_dir, FATAL_SAVE_EXCLUDED
 # 16. the trainers' command line

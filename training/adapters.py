@@ -19,7 +19,7 @@ from .checkpoint import (MARKER, CheckpointError, earlier_adapter_advice, find_l
                          unverified_adapter_line)
 from .distributed import barrier, is_main_process
 from .logs import timer
-from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, _full, _strip_adapter, adapter_config_dict, adapter_params,
+from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, full_tensor, strip_adapter, adapter_config_dict, adapter_params,
                     adapter_state_dict, load_adapter_state_, save_adapter_dir)
 
 __all__ = ["sync_rollout_adapter", "prune_rollout_adapters", "clean_rollout_adapters", "publish_adapter_tensors",
@@ -104,8 +104,8 @@ def publish_adapter_tensors(rollout_client, transformer, adapter: str, lora_conf
     ranks that feed a worker (`rollout_client.feeds_workers`) copy it into their `AdapterBuffer`, and every node's
     workers bind the buffer of their source rank. Returns this node's per-worker bound-module counts. Collective."""
     params = adapter_params(transformer, adapter)
-    layout = [(_strip_adapter(name, adapter), tuple(p.shape)) for name, p in params]
-    return publish_tensors(rollout_client, layout, (_full(p.detach()) for _, p in params),
+    layout = [(strip_adapter(name, adapter), tuple(p.shape)) for name, p in params]
+    return publish_tensors(rollout_client, layout, (full_tensor(p.detach()) for _, p in params),
                            adapter_config_dict(lora_config), version)
 
 

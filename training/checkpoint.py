@@ -43,9 +43,9 @@ from torch import nn
 from models import lora
 
 from .distributed import get_rank, get_world_size, on_rank0, raise_if_any_rank_failed
-from .model import ADAPTER_DEFAULT, _full, adapter_state_dict, load_adapter_state_, save_adapter_dir
+from .model import ADAPTER_DEFAULT, full_tensor, adapter_state_dict, load_adapter_state_, save_adapter_dir
 from .data import PromptSampler
-from .resume_policy import RESUME_MUTABLE_KEYS, _hash_files, _logged_values, config_fingerprint
+from .resume_policy import RESUME_MUTABLE_KEYS, hash_files, logged_values, config_fingerprint
 
 __all__ = [
     "CheckpointError", "read_adapter_dir", "read_verified_adapter", "adapter_checkpoint", "unverified_adapter_line",
@@ -164,7 +164,7 @@ def optimizer_full_state(transformer: nn.Module, optimizer: torch.optim.Optimize
     for name, p in owned:
         entry = {}
         for k, v in optimizer.state[p].items():
-            full = _full(v).detach() if torch.is_tensor(v) else v  # the gather is collective: every rank runs it
+            full = full_tensor(v).detach() if torch.is_tensor(v) else v  # the gather is collective: every rank runs it
             if keep:
                 entry[k] = full.to("cpu").clone() if torch.is_tensor(full) else full
         state[name] = entry
@@ -240,7 +240,7 @@ def earlier_verified_checkpoint(path: str) -> str | None:
     root, name = os.path.split(os.path.abspath(path))
     m = _STEP_DIR.match(name)
     below = int(m.group(1)) if m else None
-    for step in reversed(_complete_steps(root)):
+    for step in reversed(complete_steps(root)):
         if below is not None and step >= below:
             continue
         candidate = os.path.join(root, f"step_{step:08d}")
@@ -309,7 +309,7 @@ def verified_run_config(ckpt: str) -> dict[str, Any]:
     every flag of the run), after checking the manifest (sizes of every file, sha256 of trainer_state.json). {} for
     a checkpoint that records none. Raises CheckpointError naming the checkpoint."""
     verify_checkpoint(ckpt, only="trainer_state.json", contents=False)
-    state = _read_trainer_state(ckpt)
+    state = read_trainer_state(ckpt)
     return {**state.get("logged_config", {}), **state.get("fingerprinted_config", {})}
 
 
@@ -318,7 +318,7 @@ CFG_FLAGS = ("guidance_scale", "true_cfg_scale")  # the flags that set the resol
 
 def _newest_complete(root: str) -> str | None:
     """`<root>/step_XXXXXXXX` of the newest complete checkpoint under `root` (None when there is none)."""
-    steps = _complete_steps(root)
+    steps = complete_steps(root)
     return os.path.join(root, f"step_{steps[-1]:08d}") if steps else None
 
 
@@ -446,7 +446,7 @@ def gather_checkpoint(
             "sampler": sampler.state_dict() if sampler is not None else None,
             "config_fingerprint": digest,
             "fingerprinted_config": values,
-            "logged_config": _logged_values(config, fingerprint_ignore),
+            "logged_config": logged_values(config, fingerprint_ignore),
             "versions": library_versions(),
             "trainer_state": json.loads(json.dumps(dict(trainer_state or {}))),  # a copy: later steps change it
         }
@@ -468,7 +468,7 @@ def write_checkpoint(root: str, gathered: GatheredState, *, keep_last: int | Non
     _write_checkpoint_dir(root, final, state, gathered.adapters, gathered.lora_config, gathered.optim_state,
                           gathered.rng_states)
     if keep_last is not None and keep_last > 0:
-        for old_step in [s for s in _complete_steps(root) if s != gathered.step][:-(keep_last - 1) or None]:
+        for old_step in [s for s in complete_steps(root) if s != gathered.step][:-(keep_last - 1) or None]:
             shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
     return final
 
@@ -502,7 +502,7 @@ def _raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
 
 def _manifest(root: str, step: int) -> dict[str, Any]:
     sizes = _file_sizes(root)
-    hashes = _hash_files(root, list(sizes))
+    hashes = hash_files(root, list(sizes))
     return {"format": CHECKPOINT_FORMAT, "step": int(step),
             "files": {rel: {"size": size, "sha256": hashes[rel]} for rel, size in sizes.items()}}
 
@@ -544,15 +544,16 @@ def _write_checkpoint_dir(root: str, final: str, state: dict[str, Any], adapters
         raise
 
 
-def _step_dirs(root: str) -> dict[int, str]:
+def step_dirs(root: str) -> dict[int, str]:
     """{step: name} of every `step_XXXXXXXX` directory under `root`, complete or not."""
     if not os.path.isdir(root):
         return {}
     return {int(m.group(1)): name for name in os.listdir(root) if (m := _STEP_DIR.match(name))}
 
 
-def _complete_steps(root: str) -> list[int]:
-    return sorted(step for step, name in _step_dirs(root).items() if os.path.isfile(os.path.join(root, name, MARKER)))
+def complete_steps(root: str) -> list[int]:
+    """The steps of the `step_XXXXXXXX` directories under `root` that hold the completion marker, ascending."""
+    return sorted(step for step, name in step_dirs(root).items() if os.path.isfile(os.path.join(root, name, MARKER)))
 
 
 def find_latest(root: str) -> str | None:
@@ -564,7 +565,7 @@ def find_latest(root: str) -> str | None:
     if not os.path.isdir(root):
         return None
     names = [n for n in os.listdir(root) if _STEP_DIR.match(n)]
-    complete = _complete_steps(root)
+    complete = complete_steps(root)
     incomplete = sorted(n for n in names if int(_STEP_DIR.match(n).group(1)) not in complete)
     if incomplete:
         warnings.warn(f"{root}: skipping checkpoint directories without a {MARKER} marker: {incomplete}")
@@ -607,7 +608,7 @@ def verify_checkpoint(path: str, *, sha256: bool = True, only: str | None = None
             f"checkpoint {path} is corrupt: files differ from the {MARKER} manifest (missing, truncated or extra): {diff}"
         )
     if sha256:
-        hashes = _hash_files(path, sorted(rel for rel in expected if only is None or rel.startswith(only)))
+        hashes = hash_files(path, sorted(rel for rel in expected if only is None or rel.startswith(only)))
         wrong = sorted(rel for rel, h in hashes.items() if h != marker["files"][rel]["sha256"])
         if wrong:
             raise CheckpointError(
@@ -654,7 +655,8 @@ def clean_orphans(root: str) -> list[str]:
     return messages
 
 
-def _read_trainer_state(path: str) -> dict[str, Any]:
+def read_trainer_state(path: str) -> dict[str, Any]:
+    """The checkpoint's `trainer_state.json`; unreadable or not JSON: a CheckpointError naming it."""
     try:
         with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
             return json.load(f)
@@ -694,20 +696,20 @@ def check_resume_config(path: str, state: Mapping[str, Any], config: Mapping[str
                 f"run with --resume never (the checkpoints are moved aside) or in a fresh --output_dir")
         lines.append(f"WARNING --resume_force: resuming {path} although these flags changed (the objective, the "
                      f"sampled numbers or the data order differ from the run so far):\n  " + "\n  ".join(diffs))
-    logged = _diff_lines(state.get("logged_config", {}), _logged_values(config, fingerprint_ignore))
+    logged = _diff_lines(state.get("logged_config", {}), logged_values(config, fingerprint_ignore))
     logged = [line for line in logged if not line.startswith(("resume:", "resume_force:"))]
     if logged:
         lines.append("changed since the checkpoint (operational flags and paths, allowed):\n  " + "\n  ".join(logged))
     return lines
 
 
-def _on_rank0(fn: Callable[[], Any], what: str = "") -> Any:
+def checkpoint_on_rank0(fn: Callable[[], Any], what: str = "") -> Any:
     """`fn()` on rank 0 only, its result given to every rank (`on_rank0`). A CheckpointError or OSError there is
     raised as a CheckpointError on every rank (prefixed by `what`), so no rank waits in a later collective."""
     return on_rank0(fn, catch=(CheckpointError, OSError), exc_type=CheckpointError, what=what)
 
 
-def _load_tensors(path: str, name: str, *, mmap: bool = False) -> Any:
+def load_tensors(path: str, name: str, *, mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)`: tensors, numbers, strings and containers only; a pickle that would build
     any other object (run code) is refused with a CheckpointError naming the file. `mmap`: map the tensor data
     instead of reading it (a cheap check of the pickle alone)."""
@@ -752,7 +754,7 @@ def load_checkpoint(
     except CheckpointError as e:
         error = e
     _raise_if_any_rank_failed(error, f"load_checkpoint({path})")
-    state = _read_trainer_state(path)
+    state = read_trainer_state(path)
     check_resume_config(path, state, config, adapter_names=adapter_names, force=force,
                         fingerprint_ignore=fingerprint_ignore)
     for name in adapter_names:
@@ -760,8 +762,8 @@ def load_checkpoint(
         load_adapter_state_(transformer, name, read_adapter_dir(os.path.join(path, "adapters", name), manifest=False))
     optim_state, rng_states = {}, []
     try:
-        optim_state = _load_tensors(path, "optimizer.pt")
-        rng_states = _load_tensors(path, "rng.pt")
+        optim_state = load_tensors(path, "optimizer.pt")
+        rng_states = load_tensors(path, "rng.pt")
         load_optimizer_full_state_(transformer, optimizer, optim_state)
     except CheckpointError as e:
         error = e

@@ -32,19 +32,20 @@ ADAPTER_DEFAULT = "default"
 ADAPTER_OLD = "old"
 
 
-def _adapter_pattern(adapter: str) -> re.Pattern:
+def adapter_pattern(adapter: str) -> re.Pattern:
+    """The regex of the adapter-name part of a LoRA parameter name of `adapter`."""
     # peft names: "<path>.lora_A.<adapter>.weight" (ModuleDict) or "<path>.lora_embedding_A.<adapter>" (ParameterDict)
     return re.compile(r"(^|\.)(lora_[A-Za-z_]+)\." + re.escape(adapter) + r"(\.|$)")
 
 
-def _strip_adapter(name: str, adapter: str) -> str:
+def strip_adapter(name: str, adapter: str) -> str:
     """"a.lora_A.default.weight" -> "a.lora_A.weight"."""
-    return _adapter_pattern(adapter).sub(lambda m: m.group(1) + m.group(2) + m.group(3), name, count=1)
+    return adapter_pattern(adapter).sub(lambda m: m.group(1) + m.group(2) + m.group(3), name, count=1)
 
 
 def adapter_params(module: nn.Module, adapter: str = ADAPTER_DEFAULT) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of every LoRA tensor of `adapter`, in `named_parameters` order (stable across ranks)."""
-    pattern = _adapter_pattern(adapter)
+    pattern = adapter_pattern(adapter)
     return [(n, p) for n, p in module.named_parameters() if pattern.search(n)]
 
 
@@ -387,7 +388,7 @@ def prepare_transformer(
     return config
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a (possibly sharded DTensor) parameter; a collective for DTensors."""
     from torch.distributed.tensor import DTensor
 
@@ -401,9 +402,9 @@ def adapter_state_dict(transformer: nn.Module, adapter: str, *, all_ranks: bool 
     out: dict[str, torch.Tensor] = {}
     keep = all_ranks or is_main_process()
     for name, p in adapter_params(transformer, adapter):
-        full = _full(p.detach())  # the gather is collective: every rank runs it
+        full = full_tensor(p.detach())  # the gather is collective: every rank runs it
         if keep:
-            out[_strip_adapter(name, adapter)] = full.to("cpu", torch.float32).clone()
+            out[strip_adapter(name, adapter)] = full.to("cpu", torch.float32).clone()
     if keep and not out:
         raise ValueError(f"the transformer has no LoRA tensors for adapter {adapter!r}")
     return out
@@ -417,7 +418,7 @@ def load_adapter_state_(transformer: nn.Module, adapter: str, state: Mapping[str
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    params = {_strip_adapter(n, adapter): p for n, p in adapter_params(transformer, adapter)}
+    params = {strip_adapter(n, adapter): p for n, p in adapter_params(transformer, adapter)}
     missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
     if missing or unexpected:
         raise ValueError(

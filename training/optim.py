@@ -14,7 +14,7 @@ from torch import nn
 import losses
 from models import lora
 
-from .model import ADAPTER_DEFAULT, ADAPTER_OLD, _adapter_pattern, _full, adapter_params
+from .model import ADAPTER_DEFAULT, ADAPTER_OLD, adapter_pattern, full_tensor, adapter_params
 
 __all__ = [
     "build_optimizer", "LR_SCHEDULES", "lr_multiplier", "build_lr_scheduler", "lr_scheduler_state",
@@ -35,7 +35,7 @@ def build_optimizer(
     params = [p for _, p in adapter_params(transformer, adapter) if p.requires_grad]
     if not params:
         raise ValueError(f"no trainable LoRA parameters for adapter {adapter!r}; call add_lora_adapters first")
-    frozen_trainable = [n for n, p in transformer.named_parameters() if p.requires_grad and not _adapter_pattern(adapter).search(n)]
+    frozen_trainable = [n for n, p in transformer.named_parameters() if p.requires_grad and not adapter_pattern(adapter).search(n)]
     if frozen_trainable:
         raise ValueError(f"parameters outside adapter {adapter!r} require grad: {frozen_trainable[:3]}; freeze them")
     fused = params[0].device.type == "cuda"
@@ -115,7 +115,7 @@ def load_lr_scheduler_state_(scheduler: torch.optim.lr_scheduler.LambdaLR, saved
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a (possibly DTensor) tensor, sharing its storage (no communication)."""
     from torch.distributed.tensor import DTensor
 
@@ -195,7 +195,7 @@ class GradStepper:
         if params:
             max_norm = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
-            grad_norm = float(_full(norm).item())
+            grad_norm = float(full_tensor(norm).item())
         else:
             grad_norm = 0.0
         reason = ""
@@ -242,14 +242,14 @@ class GradStepper:
         other: dict[Any, Any] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                live.append(_local(p))
+                live.append(local_shard(p))
                 state = optimizer.state.get(p)
                 if not state:
                     other[p] = None
                     continue
                 for k, v in state.items():
                     if torch.is_tensor(v):
-                        live.append(_local(v))
+                        live.append(local_shard(v))
                     else:
                         other[(p, k)] = v
         by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -280,8 +280,8 @@ class GradStepper:
         tensors = []
         for group in optimizer.param_groups:
             for p in group["params"]:
-                tensors.append(_local(p))
-                tensors += [_local(v) for k, v in optimizer.state.get(p, {}).items()
+                tensors.append(local_shard(p))
+                tensors += [local_shard(v) for k, v in optimizer.state.get(p, {}).items()
                             if k != "step" and torch.is_tensor(v) and v.is_floating_point()]  # step: a counter
         if not tensors:
             return True
@@ -325,8 +325,8 @@ def adapters_equal(transformer: nn.Module, a: str = ADAPTER_DEFAULT, b: str = AD
             raise ValueError(f"adapter {b!r} is missing on {path}")
         for mod in (layer.lora_A, layer.lora_B):
             first = mod[a].weight if first is None else first
-            mine.append(_local(mod[a].weight).reshape(-1))
-            theirs.append(_local(mod[b].weight).reshape(-1))
+            mine.append(local_shard(mod[a].weight).reshape(-1))
+            theirs.append(local_shard(mod[b].weight).reshape(-1))
     if not mine:
         raise ValueError(f"the transformer has no LoRA adapter {a!r}")
     return not _any_rank(not torch.equal(torch.cat(mine), torch.cat(theirs)), first)

@@ -1,10 +1,11 @@
-"""torch.profiler traces of one training step and the table read from them (`scripts/bench_step.py --profile`).
+"""The profile of one training step and the table read from traces (`scripts/bench_step.py --profile`).
 
-`step_profiler` records one step of a loop (wait / warmup / active schedule, CPU + CUDA activities, no shapes, no
-stacks, no memory: a small trace) and writes it as gzipped Chrome-trace JSON; the rollout workers record their
-generate call with it. `ProfileWindow` records a bounded part of one trainer step: from its start to the end of its
-first K update micro-steps (the window the update's behaviour repeats in; a whole Qwen-Image DiffusionNFT step is
-20 micro-steps and 14 M trace events). `profile_table` is a pure function of the trace's events: per phase (the
+`ProfileWindow` records a bounded part of one trainer step: from its start to the end of its first K update
+micro-steps (the window the update's behaviour repeats in; a whole Qwen-Image DiffusionNFT step is 20 micro-steps
+and 14 M trace events), with the project's profiler settings (`engines.profiler.new_profiler`: CPU + CUDA activities, no
+shapes, no stacks, no memory) into a gzipped Chrome-trace file (`engines.profiler.export_trace`). The rollout workers record
+their generate call with `engines.profiler.step_profiler` (a leaf module: the worker and this module import it,
+no arrow up from the rollout layers). `profile_table` is a pure function of the trace's events (`engines.profiler.load_trace`): per phase (the
 `timing_s/<name>` ranges that `training.timer` annotates, the window's `update_window`, and the whole step,
 `ProfilerStep#N` or the window's `profiled_step`) the wall time, the time the device was busy / idle, the longest idle
 gap, the host reads (`aten::_local_scalar_dense`, what `.item()`, `bool(tensor)` and `float(tensor)` dispatch to),
@@ -17,18 +18,16 @@ also runs inside the phase's wall-time window, so attributing device work to a p
 
 from __future__ import annotations
 
-import gzip
-import json
-import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["step_profiler", "ProfileWindow", "export_trace", "load_trace", "PhaseRow", "KernelRow", "LauncherRow",
-           "ProfileTable", "profile_table", "format_profile_table", "PHASE_PREFIX", "WINDOW_PHASE", "STEP_PHASE"]
+from engines.profiler import export_trace, new_profiler
+
+__all__ = ["ProfileWindow", "PhaseRow", "KernelRow", "LauncherRow", "ProfileTable", "profile_table",
+           "format_profile_table", "PHASE_PREFIX", "WINDOW_PHASE", "STEP_PHASE"]
 
 PHASE_PREFIX = "timing_s/"          # the record_function names of `training.timer`
 STEP_PREFIX = "ProfilerStep#"       # torch.profiler's own annotation of each scheduled step
@@ -38,25 +37,6 @@ MEMCPY_CATEGORY = "gpu_memcpy"
 DEVICE_CATEGORIES = {"cuda": ("kernel", "gpu_memcpy", "gpu_memset"), "cpu": ("cpu_op",)}
 HOST_READ_OPS = ("aten::_local_scalar_dense",)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-def step_profiler(path: str, *, step: int, first_step: int, cuda: bool) -> torch.profiler.profile:
-    """A (not yet started) profiler that records iteration `step` of a loop whose first iteration is `first_step`,
-    with one warm-up iteration before it when there is one; call `.step()` after every iteration. The trace is
-    written to `path` (gzipped Chrome JSON) when the step ends. Activities: CPU, plus CUDA when `cuda`."""
-    if step < first_step:
-        raise ValueError(f"profile step {step} comes before the loop's first step {first_step}")
-    warmup = 1 if step > first_step else 0
-    return _profiler(cuda, schedule=torch.profiler.schedule(wait=step - first_step - warmup, warmup=warmup, active=1,
-                                                            repeat=1),
-                     on_trace_ready=lambda prof: export_trace(prof, path))
-
-
-def _profiler(cuda: bool, **kwargs: Any) -> torch.profiler.profile:
-    """The project's profiler settings: CPU (+ CUDA when `cuda`) activities, no shapes, memory or stacks."""
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    return torch.profiler.profile(activities=activities, record_shapes=False, profile_memory=False, with_stack=False,
-                                  **kwargs)
 
 
 class ProfileWindow:
@@ -93,7 +73,7 @@ class ProfileWindow:
         self._ranges.append(rf)
 
     def start(self) -> None:
-        self._prof = _profiler(self.cuda)
+        self._prof = new_profiler(self.cuda)
         self._prof.start()
         self._open(STEP_PHASE)
 
@@ -116,24 +96,6 @@ class ProfileWindow:
         prof, self._prof = self._prof, None
         prof.stop()
         export_trace(prof, self.path)
-
-
-def export_trace(prof: torch.profiler.profile, path: str) -> None:
-    """Write `prof`'s Chrome trace to `path` gzipped (exported to a plain file first, then compressed)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    plain = path[:-3] if path.endswith(".gz") else path + ".plain"
-    prof.export_chrome_trace(plain)
-    with open(plain, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(plain)
-
-
-def load_trace(path: str) -> list[dict[str, Any]]:
-    """The `traceEvents` of a Chrome trace file (gzipped or not)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        data = json.load(f)
-    return list(data["traceEvents"] if isinstance(data, dict) else data)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .checkpoint import (CheckpointError, _complete_steps, _load_tensors, _on_rank0, _read_trainer_state,
-                         _step_dirs, check_resume_config, clean_orphans, earlier_verified_checkpoint, find_latest,
+from .checkpoint import (CheckpointError, complete_steps, load_tensors, checkpoint_on_rank0, read_trainer_state,
+                         step_dirs, check_resume_config, clean_orphans, earlier_verified_checkpoint, find_latest,
                          verify_checkpoint)
 from .model import ADAPTER_DEFAULT
 
@@ -49,7 +49,7 @@ def _set_aside(paths: Sequence[str], previous_root: str, label: str) -> str:
 def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any], adapter_names: Sequence[str],
                           force: bool, set_aside_with_checkpoints: Sequence[str], previous_root: str) -> ResumePlan:
     messages = clean_orphans(ckpt_root)
-    existing = _step_dirs(ckpt_root)
+    existing = step_dirs(ckpt_root)
     if resume == "never":
         if existing:
             dest = _set_aside([ckpt_root, *set_aside_with_checkpoints], previous_root, "resume-never")
@@ -65,7 +65,7 @@ def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any]
         path = os.path.abspath(resume)
         if not os.path.isdir(path):
             raise CheckpointError(f"--resume {resume}: no such checkpoint directory (complete checkpoints under "
-                                  f"{ckpt_root}: {[f'step_{s:08d}' for s in _complete_steps(ckpt_root)]})")
+                                  f"{ckpt_root}: {[f'step_{s:08d}' for s in complete_steps(ckpt_root)]})")
     try:
         verify_checkpoint(path)
     except CheckpointError as e:
@@ -76,8 +76,8 @@ def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any]
                   "moved aside, not deleted).")
         raise CheckpointError(str(e) + advice) from None
     for name in ("optimizer.pt", "rng.pt"):  # a pickle that would run code is refused now, before any model loads
-        _load_tensors(path, name, mmap=True)
-    state = _read_trainer_state(path)
+        load_tensors(path, name, mmap=True)
+    state = read_trainer_state(path)
     step = int(state["step"])
     messages += check_resume_config(path, state, config, adapter_names=adapter_names, force=force)
     # <ckpt_root> keeps only the history being continued: later step folders (a run that went on past `step`, e.g.
@@ -107,5 +107,5 @@ def prepare_resume(resume: str, ckpt_root: str, config: Mapping[str, Any], *,
     5. step folders after the resumed step (or all, when resuming from another folder) are moved aside.
     """
     previous_root = previous_root or os.path.join(os.path.dirname(os.path.abspath(ckpt_root)), "previous")
-    return _on_rank0(lambda: _prepare_resume_rank0(resume, ckpt_root, config, adapter_names, force,
+    return checkpoint_on_rank0(lambda: _prepare_resume_rank0(resume, ckpt_root, config, adapter_names, force,
                                                    set_aside_with_checkpoints, previous_root))

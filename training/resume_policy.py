@@ -97,14 +97,15 @@ def config_fingerprint(config: Mapping[str, Any], ignore: Iterable[str] = RESUME
     return digest, values
 
 
-def _logged_values(config: Mapping[str, Any], ignore: Iterable[str]) -> dict[str, Any]:
+def logged_values(config: Mapping[str, Any], ignore: Iterable[str]) -> dict[str, Any]:
+    """The values of the keys in `ignore` that `config` holds, sorted and made JSON-plain (str for the rest)."""
     ignore = set(ignore)
     values = {k: config[k] for k in sorted(config) if k in ignore}
     return json.loads(json.dumps(values, sort_keys=True, default=str))
 
 
 def sha256_file(path: str) -> str:
-    """sha256 hex of a file, read in 8 MiB chunks (hashlib releases the GIL: `_hash_files` runs files in parallel)."""
+    """sha256 hex of a file, read in 8 MiB chunks (hashlib releases the GIL: `hash_files` runs files in parallel)."""
     digest = hashlib.sha256()
     buffer = bytearray(_HASH_CHUNK)
     view = memoryview(buffer)
@@ -114,7 +115,8 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def _hash_files(root: str, rel_paths: Sequence[str]) -> dict[str, str]:
+def hash_files(root: str, rel_paths: Sequence[str]) -> dict[str, str]:
+    """{relative path: sha256 hex} of the files `rel_paths` under `root`, up to 8 hashed at once."""
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(rel_paths)))) as pool:
         return dict(zip(rel_paths, pool.map(lambda rel: sha256_file(os.path.join(root, rel)), rel_paths)))
 

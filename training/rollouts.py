@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from .distributed import get_rank
 from .logs import rollout_grid
-from .scoring import (JUDGE_LOG, JudgeNotReading, JudgeReplyCounts, RewardStream, _sum_over_ranks, judge_records,
+from .scoring import (JUDGE_LOG, JudgeNotReading, JudgeReplyCounts, RewardStream, sum_over_ranks, judge_records,
                       judge_reply_counts, log_judge_replies, nonfinite_rows, score_inputs, score_samples)
 
 __all__ = ["rollout_request", "submit_rollout", "rollout_and_score", "log_rollout_images", "peek_batch",
@@ -78,7 +78,7 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
         error = e
     phase = f"the rollout{f' of step {step}' if step is not None else ''}"
     run.raise_fatal(error, phase)  # every rank raises alike, after the last finished step was written
-    counts = [int(c) for c in _sum_over_ranks([len(bad), *judge_reply_counts(scored).as_list()])]
+    counts = [int(c) for c in sum_over_ranks([len(bad), *judge_reply_counts(scored).as_list()])]
     nonfinite, replies = counts[0], JudgeReplyCounts(*counts[1:])
     stats["rollout/nonfinite_samples"] = float(nonfinite)
     # like a non-finite loss: every update of this step is skipped (and counted towards --max_consecutive_skips)

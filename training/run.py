@@ -24,11 +24,11 @@ from .lifecycle import (STOP_SIGNALS, RunLock, RunLockError, install_collective_
 from .preflight import PreflightError, check_flags, run_preflight
 from .profiling import ProfileWindow
 from .model import ADAPTER_DEFAULT, adapter_params, load_flow_model, prepare_transformer
-from .optim import (GradStepper, _local, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
+from .optim import (GradStepper, local_shard, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
 from .data import PromptSampler
-from .checkpoint import (CheckpointError, GatheredState, _complete_steps, _on_rank0, find_latest, gather_checkpoint,
-                         load_checkpoint, save_gathered, write_checkpoint)
+from .checkpoint import (CheckpointError, GatheredState, checkpoint_on_rank0, complete_steps, find_latest,
+                         gather_checkpoint, load_checkpoint, save_gathered, write_checkpoint)
 from .resume_policy import content_fingerprints
 from .resume import ResumePlan, prepare_resume
 from .logs import (Progress, TensorBoardLogger, WandbLogger, WandbSetupError, all_gather_objects,
@@ -448,7 +448,7 @@ class Run:
         args, stepper, update = self.args, self.stepper, self.last_update_step
         largest = torch.zeros((), dtype=torch.float64)
         for _, p in adapter_params(self.model.transformer, ADAPTER_DEFAULT):
-            local = _local(p.detach())
+            local = local_shard(p.detach())
             if local.numel():
                 largest = torch.maximum(largest, local.abs().max().double().cpu())
         if dist.is_initialized() and self.world > 1:
@@ -465,7 +465,7 @@ class Run:
                      f"the result of the update of step {update}, so the checkpoints from step {update} on hold them.")
         earlier = None
         if self.rank == 0 and os.path.isdir(self.ckpt_root):
-            older = [s for s in _complete_steps(self.ckpt_root) if s < update]
+            older = [s for s in complete_steps(self.ckpt_root) if s < update]
             earlier = os.path.join(self.ckpt_root, f"step_{older[-1]:08d}") if older else None
         smaller = f"{args.lr / 10:g}"
         if earlier:
@@ -642,7 +642,8 @@ def prepare_output_dir(args, config: Mapping[str, Any], adapter_names) -> tuple[
     0, shared), the `--resume` decision (`prepare_resume`: orphans of a killed save, --resume never, sha256, config),
     and the removal of rollout adapters left by earlier runs; rank 0 prints what was done. Collective. Returns the
     plan and the config that checkpoints record (the flags plus "<path flag>@content")."""
-    fingerprints = _on_rank0(lambda: content_fingerprints(config), "cannot fingerprint an input for --resume: ")
+    fingerprints = checkpoint_on_rank0(lambda: content_fingerprints(config),
+                                       "cannot fingerprint an input for --resume: ")
     ckpt_config = {**config, **fingerprints}
     out = args.output_dir
     plan = prepare_resume(args.resume, os.path.join(out, "checkpoints"), ckpt_config, adapter_names=adapter_names,

@@ -206,7 +206,7 @@ def judge_reply_counts(scored) -> JudgeReplyCounts:
                             count(rewards.OCR_OVERLONG_REPLY), count(rewards.OCR_REFUSAL_REPLY))
 
 
-def _sum_over_ranks(values: Sequence[float]) -> torch.Tensor:
+def sum_over_ranks(values: Sequence[float]) -> torch.Tensor:
     """`values` summed over every rank (one all_reduce of a float64 CPU tensor; as is without a process group)."""
     import torch.distributed as dist
 
