@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import training as T  # noqa: E402
-from models import SAMPLING_DEFAULTS, sampling_defaults, size_warning  # noqa: E402
+from models import size_warning  # noqa: E402
 
 # the trainer flags evaluate.py uses (besides every reward flag); the others are accepted and ignored
 USED = ("model_path", "device", "val_files", "val_max_samples", "val_seed", "val_num_inference_steps", "height",
@@ -73,15 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.set_defaults(run_cfg_scale=None)  # no flag: the --run_dir run's resolved CFG scale, for unset CFG flags
     from_run = {**{d: d for d in shown if d not in NOT_FROM_RUN}, "run_cfg_scale": "cfg_scale"}
     settings_from = T.set_defaults_from_checkpoint(parser, argv, from_run)  # the run's checkpoint, verified
-    known, _ = parser.parse_known_args(argv)
-    try:  # without a run, the model folder's own sampling defaults (size, steps, CFG) come before the family's
-        trained = {} if known.run_dir else sampling_defaults(known.model_path)
-    except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
-    if trained:
-        steps = trained.pop("num_inference_steps", None)  # evaluate samples as validation does: --val_* steps
-        parser.set_defaults(**trained, **({"val_num_inference_steps": steps} if steps else {}))
-        settings_from = f"settings: the defaults of {os.path.join(known.model_path, SAMPLING_DEFAULTS)}"
+    # without a run, the model folder's own sampling defaults; evaluate samples as validation does (--val_* steps)
+    trained, folder_line = T.set_defaults_from_model_folder(parser, argv, steps_dest="val_num_inference_steps")
+    settings_from = settings_from or folder_line
     args = parser.parse_args(argv)
     args.settings_from = settings_from
     args.size_warning = size_warning(trained, args.height, args.width)

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import training as T  # noqa: E402
-from models import SAMPLING_DEFAULTS, sampling_defaults, size_warning  # noqa: E402
+from models import size_warning  # noqa: E402
 
 # sample.py flag -> the trainer flag of a run (--run_dir) it defaults to
 RUN_DEFAULTS = {"model_path": "model_path", "height": "height", "width": "width", "guidance_scale": "guidance_scale",
@@ -79,14 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_grid_images", type=int, default=16, help="samples in grid.png (0 = no grid)")
     parser.add_argument("--output_dir", required=True)
     settings_from = T.set_defaults_from_checkpoint(parser, argv, RUN_DEFAULTS)  # the run's checkpoint, verified
-    known, _ = parser.parse_known_args(argv)
-    try:  # without a run, the model folder's own sampling defaults (size, steps, CFG) come before the family's
-        trained = {} if known.run_dir else sampling_defaults(known.model_path)
-    except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
-    if trained:
-        parser.set_defaults(**trained)
-        settings_from = f"settings: the defaults of {os.path.join(known.model_path, SAMPLING_DEFAULTS)}"
+    trained, folder_line = T.set_defaults_from_model_folder(parser, argv)  # without a run: the folder's own
+    settings_from = settings_from or folder_line
     args = parser.parse_args(argv)
     args.settings_from = settings_from
     args.size_warning = size_warning(trained, args.height, args.width)

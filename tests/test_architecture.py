@@ -33,6 +33,16 @@ def product_modules(root: Path, packages: tuple[str, ...] = PRODUCT_PACKAGES) ->
     return modules
 
 
+def import_source(node: ast.ImportFrom, package: str) -> str:
+    """The dotted module a `from ... import` statement in package `package` reads from (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".") if package else []
+    if node.level > 1:
+        base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imported_names(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The project modules that module `name` (file `path`) imports, anywhere in the file."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -52,13 +62,7 @@ def _imported_names(name: str, path: Path, modules: dict[str, Path]) -> set[str]
             for alias in node.names:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".") if package else []
-                if node.level > 1:
-                    base = base[: len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = import_source(node, package)
             for alias in node.names:
                 submodule = f"{source}.{alias.name}" if source else alias.name
                 if submodule in modules:  # `from pkg import submodule`
@@ -126,13 +130,7 @@ def private_names_across_modules(root: Path, packages: tuple[str, ...] = PRODUCT
                     elif not alias.asname and alias.name.split(".")[0] in modules:
                         aliases[alias.name.split(".")[0]] = alias.name.split(".")[0]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".") if package else []
-                    if node.level > 1:
-                        base = base[: len(base) - (node.level - 1)]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
+                source = import_source(node, package)
                 for alias in node.names:
                     submodule = f"{source}.{alias.name}" if source else alias.name
                     if submodule in modules and submodule != name:

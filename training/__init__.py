@@ -87,7 +87,7 @@ from .perf import (perf_metrics, PEAK_TFLOPS_ENV, device_peak_flops, rollout_dev
                    phase_perf_metrics, nft_perf_metrics, dppo_perf_metrics)
 # 8. the shared flags and their model-free checks, the run's CFG scale
 from .flags import (add_common_args, resolve_device, resolve_cfg_scale, run_dir_cfg_scale, check_batch_sizes,
-                    parse_lora_init, check_rollout_lag)
+                    parse_lora_init, check_rollout_lag, set_defaults_from_model_folder)
 # 9. rewards of a rollout (scored while it samples), the judge's reply log, global advantages
 from .scoring import (score_inputs, score_samples, nonfinite_rows, score_finite, RewardStream, JUDGE_LOG,
                       JudgeNotReading, JudgeReplyCounts, judge_reply_counts, judge_records, log_judge_replies,

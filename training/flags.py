@@ -9,13 +9,14 @@ import os
 import torch
 
 from engines.contract import ENGINES
+from models import SAMPLING_DEFAULTS, sampling_defaults
 from models.base import ATTENTION_BACKENDS, COMPILE_MODES
 
 from .adapters import adapter_arg
 from .model import FSDP_MODES
 from .optim import LR_SCHEDULES
 
-__all__ = ["add_common_args", "resolve_device", "resolve_cfg_scale", "run_dir_cfg_scale", "check_batch_sizes",
+__all__ = ["add_common_args", "set_defaults_from_model_folder", "resolve_device", "resolve_cfg_scale", "run_dir_cfg_scale", "check_batch_sizes",
            "parse_lora_init", "check_rollout_lag"]
 
 
@@ -69,8 +70,9 @@ def add_common_args(parser) -> None:
                    help="'on' = where the update's first mini-batch needs the old policy's outputs and the old "
                         "weights are the ones being trained (Flow-DPPO: always, the step's recomputed old "
                         "log-probs; DiffusionNFT: when the `old` adapter equals the policy), take them from the "
-                        "update's own forward (detached) instead of a separate forward: the same numbers, one "
-                        "forward less per sample; 'off' = always a separate pass (the old path)")
+                        "update's own forward (detached) instead of a separate forward: one forward less per sample, the "
+                        "same numbers (bit for bit in eager runs; compiled blocks round DiffusionNFT's old velocity "
+                        "by bf16 ulps differently); 'off' = always a separate pass (the old path)")
     g.add_argument("--activation_checkpointing", action="store_true", help="recompute block activations in backward")
     g.add_argument("--activation_checkpointing_blocks", type=int, default=None,
                    help="selective checkpointing: checkpoint only N of the transformer's blocks, evenly spaced "
@@ -284,3 +286,22 @@ def check_rollout_lag(args) -> str | None:
                 "GPU; reserve rollout GPUs "
                 "(e.g. --rollout_devices cuda:3 with 3 trainer ranks) or drop the lag")
     return None
+
+
+def set_defaults_from_model_folder(parser, argv, *, steps_dest: str = "num_inference_steps",
+                                   ) -> tuple[dict[str, int | float], str | None]:
+    """Without --run_dir among argv: the model folder's own sampling defaults (`models.sampling_defaults`: size,
+    steps, CFG) become the parser's defaults, ahead of the family's (the steps under `steps_dest`); flags given
+    still win. Returns (those defaults, the line saying where they come from), ({}, None) with --run_dir or without
+    the file; a bad file is `parser.error` naming it. The parser must define --run_dir and --model_path."""
+    known, _ = parser.parse_known_args(argv)
+    if known.run_dir:
+        return {}, None
+    try:
+        trained = sampling_defaults(known.model_path)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    if not trained:
+        return {}, None
+    parser.set_defaults(**{steps_dest if key == "num_inference_steps" else key: v for key, v in trained.items()})
+    return trained, f"settings: the defaults of {os.path.join(known.model_path, SAMPLING_DEFAULTS)}"
