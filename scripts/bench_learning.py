@@ -3,7 +3,7 @@ several seeds, against one lr = 0 control, from one model folder, scored by the 
 held-out prompt; held-out reward, its standard error and exact-match accuracy against GPU-seconds, with error bars.
 
     python3 scripts/bench_learning.py --model_path MODEL --train_files train.parquet --val_files test.parquet \
-        --out_dir OUT --work_dir outputs/bench_learning_runs --concurrent 4 --resume   # one GPU
+        --out_dir OUT --work_dir outputs/bench_learning_runs --concurrent 9 --resume   # one GPU
     python3 scripts/bench_learning.py --smoke --out_dir /tmp/bench_smoke            # CPU: tiny Qwen-Image, 64², 2 steps
 
 Runs (each `torchrun --nproc_per_node 1` in its own process group, the trainer rank and its rollout worker sharing
@@ -79,15 +79,15 @@ START_POINT = (
     "64 words x 4 held-out templates), one sample each with the fixed seed rollout.row_seed(val_seed 42, 1, prompt "
     "index), 20-step ODE, 128x128, true CFG 1.0, rapidocr reward (mean over prompts, its standard error, and exact "
     "match). It is every run's step-0 evaluation and the control's value at every step. Measured for ocr_mini on "
-    "one H200 (2026-12-04, learning_nft_val256_85s.json and learning_dppo_256_per_update_330s.json): reward 0.417, "
-    "exact match 0.191.")
+    "one H200 (2026-12-04, docs/measurements/2026-12-04/bench_learning_h200.json): reward 0.417 +- 0.022 (standard "
+    "error over prompts), exact match 0.191.")
 
 # Why each setting is what it is (printed by --help, copied into the JSON and the markdown).
 WHY: dict[str, str] = {
     "samples per update": (
         "each algorithm at its recipe's samples per optimizer step, one update per rollout step: Flow-DPPO and "
         "Flow-GRPO 16 prompts x 16 = 256 (verl-omni), DiffusionNFT 12 x 16 = 192 (verl-omni's mini-batch of 12 "
-        "prompts). Measured (2026-12-04, dppo_grpo_learning_analysis.md): at 32 samples per update the "
+        "prompts). Measured (2026-12-04, docs/measurements/2026-12-04/dppo_grpo_learning_analysis.md): at 32 samples per update the "
         "Flow-DPPO/GRPO gradient is noise (cosine between two batches' gradients 0.00-0.09, against 0.33-0.41 for "
         "DiffusionNFT) and the held-out reward fell (-0.047, -0.005); at 256 per update Flow-DPPO learned (+0.07 to "
         "+0.1 held-out). One update per step also makes the Flow-GRPO ratio 1 in every update, so its clip (and "
@@ -97,10 +97,11 @@ WHY: dict[str, str] = {
         "multiplies every algorithm's prompts per step alike (rollout_n 16 kept), e.g. 0.5 -> 8 x 16 and 6 x 16, "
         "if the GPU-second budget cannot afford the recipes' batches; the ratio between the algorithms stays."),
     "lr": (
-        "3e-4 for every trained run, the recipes' value. The 2026-12-04 curves were all measured at 1e-3 and none "
-        "at 3e-4, so they give no reason to move every algorithm off the recipe (at 1e-3 and 32 per update the "
-        "Adam steps random-walked DPPO/GRPO; at 1e-3 and 256 Flow-DPPO peaked at step 30 and then wandered); "
-        "--set lr=1e-3 runs the measured value."),
+        "3e-4 for every trained run, the recipes' value. Measured on one H200 (2026-12-04, "
+        "docs/measurements/2026-12-04/bench_learning_h200.json): at 3e-4 and these batches every algorithm beats "
+        "the control by +0.09 to +0.12 in ~105 GPU-s (3 seeds each). The earlier single-seed curves at 1e-3 "
+        "(DiffusionNFT +0.16 in 78 GPU-s; Flow-DPPO peaking at step 30, then wandering) are not a reason to move "
+        "every algorithm off the recipe; --set lr=1e-3 runs that value."),
     "seeds": (
         "--seeds runs per trained algorithm (trainer --seed 42, 43, ...: rollout noise and data order), the "
         "control once; the table gives mean +- std over seeds. The held-out prompts and their seeds stay fixed."),
@@ -166,7 +167,7 @@ DEFAULT_ALGORITHMS = "control,nft,dppo,grpo"
 SMOKE: dict[str, Any] = dict(
     device="cpu", rollout_devices="cpu", rollout_threads=1, height=64, width=64, num_inference_steps=4,
     val_num_inference_steps=2, rollout_n=2, micro_batch_size=2, lora_rank=4, lora_alpha=8, lr=1e-2,
-    rollout_max_batch_size=16, val_max_samples=2, num_val_images=2, rapidocr_workers=1)
+    rollout_max_batch_size=16, val_max_samples=2, num_val_images=2)
 SMOKE_PROMPTS = 1                                   # prompts per step of every smoke run
 SMOKE_ALGO: dict[str, dict[str, Any]] = {"train_nft.py": dict(timestep_fraction=0.5),   # K = 2 of 4 steps
                                           "train_dppo.py": dict(sde_window_range="0,3")}  # the window fits 4 steps
@@ -574,13 +575,15 @@ def run_jobs(jobs: Sequence[Job], concurrent: int, *, timeout_s: float, say: Cal
              stop_launching_at: float | None = None, progress_every_s: float = 10.0) -> list[Job]:
     """Run `jobs` at most `concurrent` at a time from this thread, printing each run's progress (step, training
     reward, ETA) at most every `progress_every_s`; `on_done(job, proc, wall_s, error)` after each (error None on
-    success; proc None when --resume found the run finished with the same flags). Returns the jobs not started
-    because time.monotonic() passed `stop_launching_at`. The caller stops the runs (stop_all) on any exit."""
-    pending, running = list(jobs), []
+    success; proc None when --resume found the run finished with the same flags). Past `stop_launching_at`
+    (time.monotonic()) no job starts, but the running ones still finish; returns the jobs not started. The caller
+    stops the runs (stop_all) on any exit."""
+    pending, running, not_started = list(jobs), [], []
     while pending or running:
         while pending and len(running) < concurrent:
             if stop_launching_at is not None and time.monotonic() > stop_launching_at:
-                return pending
+                not_started, pending = pending, []
+                break
             job = pending.pop(0)
             marker = os.path.join(job.run_dir, "bench_done.json")
             if resume and os.path.isfile(marker) and json.load(open(marker)).get("argv") == job.argv:
@@ -621,7 +624,7 @@ def run_jobs(jobs: Sequence[Job], concurrent: int, *, timeout_s: float, say: Cal
             if error is None:
                 with open(os.path.join(job.run_dir, "bench_done.json"), "w") as f:
                     json.dump({"argv": job.argv, "wall_seconds": now - start}, f)
-    return []
+    return not_started
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -843,16 +846,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="trainers sharing the GPU at a time; > 1 takes GPU-seconds from solo calibration runs")
     p.add_argument("--calibration_steps", type=int, default=4,
                    help="steps of each algorithm's solo calibration run (needed for --budget_s or --concurrent > 1)")
-    p.add_argument("--ocr_workers", type=int, default=max(1, min(16, (os.cpu_count() or 1) - 2)),
-                   help="RapidOCR processes in all, split over the concurrent trainers; default cores - 2, <= 16")
+    p.add_argument("--ocr_workers", type=int, default=None,
+                   help="RapidOCR processes per run (default cores - 2, <= 16; 1 with --smoke). Per run, not split over the "
+                        "concurrent runs: the solo calibrations score with as many, so a step's reward time is that "
+                        "of a run alone on the machine; concurrent runs share the CPU, which slows only their wall "
+                        "time")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="[ALGO.]KEY=VALUE",
                    help="change a trainer flag of every run (KEY=VALUE) or of one algorithm (e.g. "
                         "grpo.clip_ratio=1e-4, grpo.noise_level=0.7, lr=1e-3); applied last")
     p.add_argument("--resume", action="store_true",
                    help="reuse runs (and calibrations) in --work_dir that finished with the same trainer flags")
     p.add_argument("--max_runtime_s", type=float, default=None,
-                   help="start no run after this many seconds of the bench (a later --resume call continues); "
-                        "the report then says complete: false and the bench exits 3")
+                   help="start no run after this many seconds of the bench; the runs already started finish (a "
+                        "later --resume call continues); the report then says complete: false and the bench exits 3")
     p.add_argument("--timeout_s", type=float, default=1800.0, help="kill a run after this long (wall)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run: tiny Qwen-Image, 64^2, 2 steps, 1 prompt x 2 samples, built-in prompts "
@@ -865,6 +871,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.names = ["control"] * ("control" in names) + [n for n in dict.fromkeys(names) if n != "control"]
     if args.seeds is None:
         args.seeds = 1 if args.smoke else 3
+    if args.ocr_workers is None:
+        args.ocr_workers = 1 if args.smoke else max(1, min(16, (os.cpu_count() or 1) - 2))
     if args.smoke and args.steps is None and args.budget_s is None:
         args.steps = 2
     if args.budget_s is None:
@@ -897,7 +905,7 @@ def main(argv=None) -> dict[str, Any]:
     overrides = parse_overrides(args.overrides, list(ALGORITHMS))
     device = "cpu" if args.smoke else "cuda"
     common = dict(COMMON, device=device, rollout_devices="cuda:0" if device == "cuda" else "cpu",
-                  rapidocr_workers=max(1, args.ocr_workers // args.concurrent))
+                  rapidocr_workers=args.ocr_workers)
     if args.smoke:
         common.update(SMOKE)
         model_path = args.model_path or tiny_qwen_image()

@@ -365,10 +365,12 @@ def test_main_calibrates_alone_then_runs_seeds_concurrently(tiny_models, tmp_pat
     monkeypatch.setattr(B, "launch", fake)
     out = tmp_path / "out"
     argv = ["--smoke", "--out_dir", str(out), "--algorithms", "nft,dppo,control", "--seeds", "2", "--concurrent",
-            "3", "--calibration_steps", "3", "--steps", "4", "--evals", "2"]
+            "3", "--calibration_steps", "3", "--steps", "4", "--evals", "2", "--ocr_workers", "2"]
     with pytest.raises(SystemExit, match="runs dppo_s1 failed"):
         B.main(argv)
     names = [n for n, _ in fake.launched]
+    # every run, calibration or shared, scores with --ocr_workers processes (not split over the concurrent runs)
+    assert {a[a.index("--rapidocr_workers") + 1] for _, a in fake.launched} == {"2"}
     assert names[:3] == ["calibrate_control", "calibrate_nft", "calibrate_dppo"]
     assert names[3:] == ["control", "nft_s0", "dppo_s0", "nft_s1", "dppo_s1"]
     assert fake.max_live == 3 and not B.LIVE
@@ -495,3 +497,28 @@ def test_smoke_end_to_end_with_seeds_calibration_and_two_concurrent_runs(tiny_mo
     assert_png(out / B.FILES["plot"])
     assert_png(out / B.FILES["grids"])
     assert "| DiffusionNFT | 2 |" in (out / B.FILES["markdown"]).read_text()
+
+
+def test_run_jobs_past_the_deadline_starts_nothing_but_lets_running_jobs_finish(tmp_path, monkeypatch):
+    """Two slots: `slow` (1.5 s) and `quick` (0.2 s) start; when `quick` ends the deadline has passed, so `late`
+    never starts, and `slow` still runs to its end and is reported (it was once abandoned to the caller's stop)."""
+    sleeps = {"slow": 1.5, "quick": 0.2, "late": 0.1}
+
+    def launch(script, argv, log_path, env=None):
+        out = argv[argv.index("--output_dir") + 1]
+        name = os.path.basename(out)
+        os.makedirs(out)                                  # as a trainer does
+        open(log_path, "w").close()
+        proc = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({sleeps[name]})"],
+                                start_new_session=True)
+        B.LIVE[proc.pid] = proc
+        return proc
+
+    monkeypatch.setattr(B, "launch", launch)
+    jobs = [B.Job(n, B.ALGORITHMS["nft"], {}, str(tmp_path / n)) for n in sleeps]
+    done = []
+    left = B.run_jobs(jobs, 2, timeout_s=60, say=lambda _: None, stop_launching_at=time.monotonic() + 0.1,
+                      on_done=lambda job, proc, wall, error: done.append((job.name, proc.poll(), error)))
+    assert [j.name for j in left] == ["late"]
+    assert sorted(done) == [("quick", 0, None), ("slow", 0, None)] and not B.LIVE
+    assert (tmp_path / "slow" / "bench_done.json").is_file()
