@@ -48,7 +48,7 @@ from models import size_warning  # noqa: E402
 # the trainer flags evaluate.py uses (besides every reward flag); the others are accepted and ignored
 USED = ("model_path", "device", "val_files", "val_max_samples", "val_seed", "val_num_inference_steps", "height",
         "width", "guidance_scale", "true_cfg_scale", "num_val_images", "rollout_dtype", "rollout_max_batch_size",
-        "cfg_batch")
+        "cfg_batch", "rollout_threads")
 NOT_FROM_RUN = ("output_dir", "device")  # where and on what evaluate runs is not the run's business
 
 
@@ -70,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--output_dir", default=None, help="default: <run_dir>/eval (required without --run_dir)")
     g.add_argument("--save_images", action="store_true",
                    help="also write every sample as images/<k>_<adapter>/<index>.png")
+    g.add_argument("--rollout_threads", type=int, default=0,
+                   help="torch CPU threads when sampling on the CPU (0 = torch's default). With --run_dir, the run's "
+                        "rollout workers' count, which its validation sampled with: a CPU's sums depend on how many "
+                        "threads share them, so this is what makes the numbers equal to the last bit")
     parser.set_defaults(run_cfg_scale=None)  # no flag: the --run_dir run's resolved CFG scale, for unset CFG flags
     from_run = {**{d: d for d in shown if d not in NOT_FROM_RUN}, "run_cfg_scale": "cfg_scale"}
     settings_from = T.set_defaults_from_checkpoint(parser, argv, from_run)  # the run's checkpoint, verified
@@ -132,6 +136,8 @@ def main(argv=None) -> None:
 
     info = T.init_distributed(T.resolve_device(args.device))
     rank = info.rank
+    if info.device.type == "cpu" and args.rollout_threads > 0:
+        torch.set_num_threads(args.rollout_threads)
     if rank == 0 and args.settings_from:
         print(args.settings_from, flush=True)
     if rank == 0 and args.size_warning:
