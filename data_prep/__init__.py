@@ -1,1 +1,2 @@
-"""Data preparation: parquet converters, prompt constants and the shared prompt dataset."""
+"""Data preparation: parquet converters and the shared prompt dataset (the system prompts are the model families'
+own, in models/)."""

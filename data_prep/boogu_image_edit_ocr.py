@@ -35,7 +35,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_prep.common import EDIT_SCHEMA, chat, first_quoted_span, run_cli, write_parquet
-from data_prep.prompts import BOOGU_TI2I_SYSTEM_PROMPT
+from models.boogu_image import BOOGU_TI2I_SYSTEM_PROMPT
 
 REWARD_ARMS = ("pickscore", "ocr")
 MAX_IMAGE_SIZE = 2048

@@ -12,13 +12,14 @@ data_source names the reward that scores the rows; use `ocr` with an OCR reward 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep import boogu_image_edit_ocr, boogu_image_ocr, make_text_edit_data, qwen_image_ocr  # noqa: E402
+from data_prep import boogu_image_edit_ocr, make_text_edit_data, ocr  # noqa: E402
 from data_prep.common import EDIT_SCHEMA, convert_ocr_dir, read_prompt_lines, run_cli, write_parquet  # noqa: E402
 from data_prep.set_data_source import DATA_SOURCES, relabel_file  # noqa: E402
 
@@ -48,8 +49,7 @@ def make_demo_data(output_dir: Path, *, model: str, data_source: str = "jpeg_com
             lines = read_prompt_lines(DEMO_PROMPTS)
             (tmp / "test.txt").write_text("\n".join(lines[:num_test]) + "\n", encoding="utf-8")
             (tmp / "train.txt").write_text("\n".join(lines[num_test:]) + "\n", encoding="utf-8")
-            make_row = boogu_image_ocr.make_row if model == "boogu_image" else qwen_image_ocr.make_row
-            counts = convert_ocr_dir(tmp, output_dir, make_row)
+            counts = convert_ocr_dir(tmp, output_dir, functools.partial(ocr.make_row, model=model))
     for split in ("train", "test"):
         relabel_file(output_dir / f"{split}.parquet", data_source=data_source, infer=False, dry_run=False)
     return counts

@@ -50,7 +50,7 @@ class RolloutRequest:
     images: per sample reference image (uint8 (3, H, W) tensor or PIL) for Boogu edit, else None.
     seeds: per-sample seeds (see `row_seed`).
     cfg_scale: the CFG scale s of every sample, velocity = uncond + s·(cond - uncond) (s <= 1: no CFG, no negative
-    prompts needed); each engine hands it to its family's pipeline argument (`models.base.CFG_ARGUMENT`).
+    prompts needed); each engine hands it to its family's pipeline argument (`FlowModel.cfg_argument`).
     noise_level / sde_type / sde_window_size / sde_window_range: the SDE knobs (noise_level 0 = ODE rollout).
     return_log_probs / return_trajectory: store the window's log-probs / latents and timesteps.
     """

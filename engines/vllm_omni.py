@@ -2,8 +2,8 @@
 helpers (prompt and sampling-parameter building, output parsing, the adapter copy in vllm-omni names).
 
 The custom RL pipelines live in `engines/vllm_omni_pipelines.py`; vllm-omni's worker processes import them by
-dotted path (`VLLM_OMNI_PIPELINES`, `VLLM_OMNI_WORKER_EXTENSION`), so this module names them but never imports
-them. Imports torch, `models/` and the lower layers `engines.sampler` and `engines.contract`.
+dotted path (each family class's `vllm_omni_pipeline`, `VLLM_OMNI_WORKER_EXTENSION`), so this module names them but
+never imports them. Imports torch, `models/` and the lower layers `engines.sampler` and `engines.contract`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ import torch
 
 from engines.contract import RolloutRequest, RolloutResult, image_to_uint8
 from engines.sampler import window_length
-from models.base import PromptEmbeds, pipeline_cfg_kwargs
+from models import family_class, pipeline_cfg_kwargs
+from models.base import PromptEmbeds
 
-VLLM_OMNI_PIPELINES = {
-    "qwen_image": "engines.vllm_omni_pipelines.RLQwenImagePipeline",
-    "boogu_image": "engines.vllm_omni_pipelines.RLBooguImagePipeline",
-}
 VLLM_OMNI_WORKER_EXTENSION = "engines.vllm_omni_pipelines.RLWorkerExtension"
 
 
@@ -32,9 +29,9 @@ def vllm_omni_text(family: str, prompt: Any) -> str:
     """The text prompt the stock vllm-omni encoders take for one of our prompts.
 
     A str passes through. A chat-message list is accepted only where it is exactly what the stock encoder builds
-    from a string: Qwen [Qwen-Image system, user] (checked by `models.qwen_image.render_prompt`); Boogu
-    [system = the released rule's prompt for the user text, user without "<image>"]. Anything else raises, since
-    the vllm-omni encoders cannot take arbitrary message lists.
+    from a string (the family class's `vllm_omni_text`): Qwen [Qwen-Image system, user] (checked by
+    `models.qwen_image.render_prompt`); Boogu [system = the released rule's prompt for the user text, user without
+    "<image>"]. Anything else raises, since the vllm-omni encoders cannot take arbitrary message lists.
     """
     if isinstance(prompt, str):
         return prompt
@@ -43,22 +40,7 @@ def vllm_omni_text(family: str, prompt: Any) -> str:
     system, user = prompt
     if system.get("role") != "system" or user.get("role") != "user" or not isinstance(user.get("content"), str):
         raise ValueError(f"message prompts must be [system, user] with string content, got {prompt!r:.200}")
-    text = user["content"]
-    if family == "qwen_image":
-        from models.qwen_image import render_prompt
-
-        render_prompt(list(prompt))  # raises unless the system turn is Qwen-Image's own
-        return text
-    from models.boogu_image import IMAGE_PLACEHOLDER, boogu_system_prompt
-
-    has_image = text.startswith(IMAGE_PLACEHOLDER)
-    if has_image:
-        text = text[len(IMAGE_PLACEHOLDER):]
-    if system.get("content") != boogu_system_prompt(text, has_image) or IMAGE_PLACEHOLDER in text:
-        raise ValueError("the vllm_omni engine takes Boogu message prompts only when they equal the released "
-                         "[system, user] layout (system prompt by the T2I/TI2I rule, at most one leading <image>); "
-                         "use --rollout_engine native for custom system prompts")
-    return text
+    return family_class(family).vllm_omni_text(system.get("content"), user["content"])
 
 
 def vllm_omni_prompt(family: str, request: RolloutRequest, row: int) -> dict[str, Any]:
@@ -69,7 +51,7 @@ def vllm_omni_prompt(family: str, request: RolloutRequest, row: int) -> dict[str
         out["negative_prompt"] = vllm_omni_text(family, request.negative_prompts[row])
     image = None if request.images is None else request.images[row]
     if image is not None:
-        if family != "boogu_image":
+        if not family_class(family).supports_reference_images:
             raise ValueError("reference images are only supported for Boogu-Image edit")
         if isinstance(image, torch.Tensor):
             import PIL.Image
@@ -89,7 +71,7 @@ def vllm_omni_sampling_kwargs(family: str, request: RolloutRequest, row: int) ->
     """Keyword arguments of sample `row`'s OmniDiffusionSamplingParams (without the LoRA request).
 
     One request per sample: `seed` is per request in vllm-omni, and `generator_device` is pinned so the noise
-    equals the native engine's. The CFG scale goes to the family's pipeline argument (`models.base.CFG_ARGUMENT`:
+    equals the native engine's. The CFG scale goes to the family's pipeline argument (`FlowModel.cfg_argument`:
     Boogu `guidance_scale`, Qwen `true_cfg_scale`), always explicit so vllm-omni's defaulting never decides; the SDE
     knobs ride in `extra_args`.
     """
@@ -121,7 +103,7 @@ def parse_vllm_omni_output(output: Any) -> dict[str, Any]:
     lat, extra = output.trajectory_latents, output.trajectory_log_probs
     if not isinstance(lat, dict) or not isinstance(extra, dict) or "latents_clean" not in lat:
         raise RuntimeError("vllm-omni output lacks the RL fields (trajectory_latents must be the RL pipeline's dict); "
-                           f"the engine must run {sorted(VLLM_OMNI_PIPELINES.values())}")
+                           "the engine must run its family's `vllm_omni_pipeline`, from engines/vllm_omni_pipelines.py")
     return {
         "image": image_to_uint8(images[0]),
         "latents_clean": lat["latents_clean"].float().cpu(),
@@ -270,6 +252,9 @@ class VllmOmniEngine:
         from models import model_family
 
         self.family = model_family(model_path)
+        pipeline_class = family_class(self.family).vllm_omni_pipeline
+        if not pipeline_class:
+            raise ValueError(f"{self.family}: no vllm-omni RL pipeline; use --rollout_engine native")
         self.model_path = model_path
         self.adapter_version: str | None = None
         self.bound_modules = 0
@@ -281,7 +266,7 @@ class VllmOmniEngine:
         os.environ["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         kwargs = dict(
             model=model_path, dtype=str(dtype).replace("torch.", ""), max_num_seqs=max_batch_size,
-            custom_pipeline_args={"pipeline_class": VLLM_OMNI_PIPELINES[self.family]},
+            custom_pipeline_args={"pipeline_class": pipeline_class},
             worker_extension_cls=VLLM_OMNI_WORKER_EXTENSION, max_cpu_loras=2,
         )
         kwargs.update(engine_kwargs)

@@ -76,9 +76,13 @@ def _import_engine(engine: str) -> None:
         import safetensors.torch  # noqa: F401
         import transformers  # noqa: F401
 
-        import models.boogu_image  # noqa: F401  (what NativeEngine's model loading imports)
+        import importlib
+
         import models.lora  # noqa: F401
-        import models.qwen_image  # noqa: F401
+        from models import FAMILIES
+
+        for _, module, _ in FAMILIES.values():  # every family's wrapper (what NativeEngine's model loading imports)
+            importlib.import_module(module)
     elif engine == "vllm_omni":
         import_vllm_omni()
         from vllm.lora.request import LoRARequest  # noqa: F401

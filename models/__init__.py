@@ -1,25 +1,26 @@
 """Model wrappers: one module per family plus the shared base.
 
-`load_model(path)` reads `<path>/model_index.json` and picks the family from its `_class_name`:
-- `QwenImagePipeline`  -> models.qwen_image.QwenImageModel
-- `BooguImagePipeline` -> models.boogu_image.BooguImageModel (Base and Edit share it; edit works when a reference
-  image is given)
+A family is one module with a `FlowModel` subclass (models/base.py) that carries everything the rest of the code
+asks about the family (its CFG argument, VAE factor rule, default negative prompt, vllm-omni pipeline, ...) and one
+line of `FAMILIES`. `load_model(path)` reads `<path>/model_index.json` and picks the family from its `_class_name`
+through that table (Boogu-Image Base and Edit share one class; edit works when a reference image is given).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+from types import SimpleNamespace
 from typing import Mapping
 
 import torch
 
-from types import SimpleNamespace
-
-from models.base import FlowModel, PromptEmbeds, check_image_size, read_json, vae_scale_factor
+from models.base import DEFAULT_CFG_SCALE, FlowModel, PromptEmbeds, check_image_size, read_json
 
 __all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path", "check_size_for",
-           "SAMPLING_DEFAULTS", "SAMPLING_KEYS", "sampling_defaults", "size_warning"]
+           "SAMPLING_DEFAULTS", "SAMPLING_KEYS", "sampling_defaults", "size_warning", "FAMILIES", "FAMILY_NAMES",
+           "family_class", "cfg_argument", "cfg_scale", "pipeline_cfg_kwargs"]
 
 # A pipeline folder may say how it samples best (a model trained at another size than its family's 512^2, without
 # CFG, ...): `<folder>/sampling_defaults.json`, e.g. {"height": 128, "width": 128, "num_inference_steps": 20,
@@ -28,10 +29,51 @@ SAMPLING_DEFAULTS = "sampling_defaults.json"
 SAMPLING_KEYS = {"height": int, "width": int, "num_inference_steps": int, "guidance_scale": float,
                  "true_cfg_scale": float}
 
+# The model families: model_index.json's `_class_name` -> (family name, module, its FlowModel subclass). The class is
+# imported on first use (`family_class`), so reading this table imports no model code.
 FAMILIES = {
-    "QwenImagePipeline": "qwen_image",
-    "BooguImagePipeline": "boogu_image",
+    "QwenImagePipeline": ("qwen_image", "models.qwen_image", "QwenImageModel"),
+    "BooguImagePipeline": ("boogu_image", "models.boogu_image", "BooguImageModel"),
 }
+FAMILY_NAMES = tuple(name for name, _, _ in FAMILIES.values())
+
+
+def family_class(family: str) -> type[FlowModel]:
+    """The `FlowModel` subclass of the family named `family` ("qwen_image", ...), imported on first use;
+    ValueError for an unknown family."""
+    for name, module, cls in FAMILIES.values():
+        if name == family:
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILY_NAMES)}")
+
+
+# ---- classifier-free guidance: one scale (`DEFAULT_CFG_SCALE`), each family's pipeline argument -------------------
+def cfg_argument(family: str) -> str:
+    """The family's CFG argument (its class's `cfg_argument`: Boogu-Image `guidance_scale`, Qwen-Image
+    `true_cfg_scale`); ValueError for an unknown family."""
+    return family_class(family).cfg_argument
+
+
+def cfg_scale(family: str, guidance_scale: float | None, true_cfg_scale: float | None, *,
+              default: float | None = None) -> float:
+    """The one CFG scale s (velocity = uncond + s·(cond - uncond); s <= 1 = no CFG) from the two user-facing knobs:
+    the family's own (`cfg_argument`: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`), else `default`
+    (None = `DEFAULT_CFG_SCALE`). Setting the other family's knob is a ValueError: it would otherwise be ignored
+    silently."""
+    own = cfg_argument(family)
+    value, other_value = (guidance_scale, true_cfg_scale) if own == "guidance_scale" else (true_cfg_scale,
+                                                                                           guidance_scale)
+    if other_value is not None:
+        other = "true_cfg_scale" if own == "guidance_scale" else "guidance_scale"
+        raise ValueError(f"{family} is guided by {own}; {other} belongs to the other model family")
+    if value is None:
+        return float(DEFAULT_CFG_SCALE if default is None else default)
+    return float(value)
+
+
+def pipeline_cfg_kwargs(family: str, scale: float) -> dict[str, float]:
+    """{the family's pipeline argument: `scale`} (`cfg_argument`), e.g. {"true_cfg_scale": 4.0} for Qwen-Image."""
+    return {cfg_argument(family): float(scale)}
 
 
 def resolve_model_path(path: str) -> str:
@@ -86,7 +128,7 @@ def size_warning(trained: Mapping[str, int | float], height: int | None, width: 
 
 
 def model_family(path: str) -> str:
-    """The family name ("qwen_image" | "boogu_image") of the pipeline directory `path`."""
+    """The family name ("qwen_image" | "boogu_image", `FAMILIES`) of the pipeline directory `path`."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory; pass a diffusers-style pipeline folder")
     index = read_json(os.path.join(path, "model_index.json"), "model_index.json")
@@ -96,7 +138,7 @@ def model_family(path: str) -> str:
             f"{path}/model_index.json has _class_name={class_name!r}; supported pipelines are "
             f"{sorted(FAMILIES)} (Qwen-Image or Boogu-Image checkpoints)"
         )
-    return FAMILIES[class_name]
+    return FAMILIES[class_name][0]
 
 
 def check_size_for(path: str, height: int, width: int) -> str:
@@ -105,17 +147,10 @@ def check_size_for(path: str, height: int, width: int) -> str:
     returns the family."""
     family = model_family(path)
     vae = read_json(os.path.join(path, "vae", "config.json"), "VAE config")
-    check_image_size(family, height, width, vae_scale_factor(family, SimpleNamespace(**vae)))
+    check_image_size(family, height, width, family_class(family).vae_scale_factor_of(SimpleNamespace(**vae)))
     return family
 
 
 def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kw) -> FlowModel:
     """Load the pipeline directory `path` as a FlowModel wrapper; the family comes from model_index.json."""
-    family = model_family(path)
-    if family == "qwen_image":
-        from models.qwen_image import QwenImageModel
-
-        return QwenImageModel.from_pretrained(path, device=device, dtype=dtype, **kw)
-    from models.boogu_image import BooguImageModel
-
-    return BooguImageModel.from_pretrained(path, device=device, dtype=dtype, **kw)
+    return family_class(model_family(path)).from_pretrained(path, device=device, dtype=dtype, **kw)

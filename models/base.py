@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -151,50 +151,13 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images * 255).round().to(torch.uint8)
 
 
-def vae_scale_factor(family: str, vae_config: Any) -> int:
-    """The VAE's spatial downsampling factor from its config (attribute access: a diffusers config or a
-    SimpleNamespace of vae/config.json): Qwen-Image 2^len(temperal_downsample), Boogu-Image
-    2^(len(block_out_channels) - 1). Model-free, so the start-up checks use the formula the wrappers use."""
-    if family == "qwen_image":
-        return 2 ** len(vae_config.temperal_downsample)
-    if family == "boogu_image":
-        return 2 ** (len(vae_config.block_out_channels) - 1)
-    raise ValueError(f"unknown model family {family!r}")
-
-
-# ---- classifier-free guidance: one scale, each family's pipeline argument -------------------------------------
+# ---- classifier-free guidance: one scale, each family's pipeline argument (`FlowModel.cfg_argument`) -----------
 DEFAULT_CFG_SCALE = 4.0  # both released pipelines' default: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`
-# the keyword each family's pipeline (ours, diffusers', vllm-omni's) takes the CFG scale as; also the user flag
-CFG_ARGUMENT = {"boogu_image": "guidance_scale", "qwen_image": "true_cfg_scale"}
 
 
-def cfg_argument(family: str) -> str:
-    """The family's CFG argument (`CFG_ARGUMENT`); ValueError for an unknown family."""
-    if family not in CFG_ARGUMENT:
-        raise ValueError(f"unknown model family {family!r}; known: {sorted(CFG_ARGUMENT)}")
-    return CFG_ARGUMENT[family]
-
-
-def cfg_scale(family: str, guidance_scale: float | None, true_cfg_scale: float | None, *,
-              default: float | None = None) -> float:
-    """The one CFG scale s (velocity = uncond + s·(cond - uncond); s <= 1 = no CFG) from the two user-facing knobs:
-    the family's own (`CFG_ARGUMENT`: Boogu-Image `guidance_scale`, Qwen-Image `true_cfg_scale`), else `default`
-    (None = `DEFAULT_CFG_SCALE`). Setting the other family's knob is a ValueError: it would otherwise be ignored
-    silently."""
-    own = cfg_argument(family)
-    value, other_value = (guidance_scale, true_cfg_scale) if own == "guidance_scale" else (true_cfg_scale,
-                                                                                           guidance_scale)
-    if other_value is not None:
-        other = "true_cfg_scale" if own == "guidance_scale" else "guidance_scale"
-        raise ValueError(f"{family} is guided by {own}; {other} belongs to the other model family")
-    if value is None:
-        return float(DEFAULT_CFG_SCALE if default is None else default)
-    return float(value)
-
-
-def pipeline_cfg_kwargs(family: str, scale: float) -> dict[str, float]:
-    """{the family's pipeline argument: `scale`} (`CFG_ARGUMENT`), e.g. {"true_cfg_scale": 4.0} for Qwen-Image."""
-    return {cfg_argument(family): float(scale)}
+def chat_messages(system: str, user: str) -> list[dict[str, str]]:
+    """A [system, user] chat-message list, as the data_prep parquet stores prompts."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
 def nearest_multiples(value: int, k: int) -> tuple[int, int]:
@@ -226,15 +189,21 @@ class FlowModel:
     Subclasses set the class attributes and implement the methods below; the docstrings state the contract.
     """
 
-    family: str = ""
-    default_lora_targets: tuple[str, ...] = ()
-    lora_block_prefixes: tuple[str, ...] = ()
+    # ---- what the rest of the code asks a family (models/__init__.py `FAMILIES` maps model_index.json to the class)
+    family: str = ""  # the family's name, as `models.model_family` returns it and the user-facing tables key it
+    default_lora_targets: tuple[str, ...] = ()  # the LoRA target module names when --lora_target_modules is unset
+    lora_block_prefixes: tuple[str, ...] = ()  # the transformer's top-level block lists (LoRA, checkpointing, FSDP2)
     # the blocks `--compile blocks` compiles (`compile_blocks`); () = every block of lora_block_prefixes. Each block
     # class costs compilations of its own (one per variant), so a family may leave eager the classes that hold
     # little of the model's work (`blocks_to_compile`)
     compile_block_prefixes: tuple[str, ...] = ()
-    vae_scale_factor: int = 8
+    vae_scale_factor: int = 8  # the VAE's spatial downsampling; each wrapper sets it from `vae_scale_factor_of`
     max_side: int | None = None  # largest allowed height/width, None = unlimited
+    # the keyword the family's pipelines (ours, diffusers', vllm-omni's) take the CFG scale as; also its user flag
+    cfg_argument: str = ""
+    default_negative_prompt: str = ""  # the released pipeline's negative prompt when none is given
+    supports_reference_images: bool = False  # whether prompts may carry reference images (edit)
+    vllm_omni_pipeline: str = ""  # dotted path of the family's RL pipeline class vllm-omni's workers load ("" = none)
 
     transformer: torch.nn.Module
     scheduler_config: dict[str, Any]
@@ -248,6 +217,35 @@ class FlowModel:
         # Both give the same velocity up to float tolerance; the rollout and the trainer's replay must use the same
         # mode so that their kernels (and hence the rounding) match.
         self.cfg_batch = bool(cfg_batch)
+
+    # ---- family rules that need no model (start-up checks, data_prep, the vllm-omni engine) ------------------
+    @classmethod
+    def vae_scale_factor_of(cls, vae_config: Any) -> int:
+        """The VAE's spatial downsampling factor from its config (attribute access: a diffusers config or a
+        SimpleNamespace of vae/config.json). Model-free, so the start-up checks use the formula the wrapper uses."""
+        raise NotImplementedError(f"{cls.__name__}: no VAE scale factor rule")
+
+    @classmethod
+    def load_kwargs(cls, args: Any) -> dict[str, Any]:
+        """The keyword arguments of `from_pretrained` that come from a trainer's flags (`args`); {} = none."""
+        return {}
+
+    @classmethod
+    def prompt_token_counter(cls, model_path: str) -> Callable[[Sequence[Any]], list[int]] | None:
+        """None when the family never truncates prompts; else a function: prompts -> each prompt's token count as
+        `--max_sequence_length` cuts it (from the tokenizer of the pipeline folder `model_path` only, no model)."""
+        return None
+
+    @classmethod
+    def vllm_omni_text(cls, system: str, user: str) -> str:
+        """The text prompt the stock vllm-omni encoder takes for the chat [system, user] (string contents), where
+        that chat is exactly what the encoder builds from that text; ValueError otherwise."""
+        raise ValueError(f"{cls.family or cls.__name__}: the vllm_omni engine takes no message prompts for this model")
+
+    @classmethod
+    def ocr_chats(cls, line: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        """(prompt, negative_prompt) chat-message lists of one Flow-GRPO OCR prompt line (data_prep/ocr.py)."""
+        raise NotImplementedError(f"{cls.family or cls.__name__}: no OCR data layout")
 
     @property
     def blocks_to_compile(self) -> tuple[str, ...]:

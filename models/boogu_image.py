@@ -18,10 +18,8 @@ import PIL.Image
 import torch
 import torch.nn as nn
 
-from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
 from losses import flow_sigmas, time_shift_mu
-from models.base import (CFG_ARGUMENT, FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8,
-                         vae_scale_factor)
+from models.base import FlowModel, NotLoaded, PromptEmbeds, chat_messages, per_row_noise, read_json, to_uint8
 # the wrapper's transformer; scripts/build_tiny_models.py also imports it from here (left as is: that script's sha256
 # keys the cache of tiny checkpoints)
 from models.boogu_image_transformer import BooguImageTransformer2DModel, boogu_image_forward_flops
@@ -31,6 +29,20 @@ VLM_MAX_PIXELS = 384 * 384  # reference-image copy shown to the VLM (released `m
 VLM_MAX_SIDE = 384 * 2  # released `max_vlm_input_pil_side_length`
 VAE_REF_MAX_SIDE = 2048 * 2  # released `max_input_image_side_length`
 IMAGE_PLACEHOLDER = "<image>"
+
+# Text-to-image system prompt (non-empty instruction, no input image).
+BOOGU_T2I_SYSTEM_PROMPT = (
+    "You are a helpful assistant that generates high-quality images based on user instructions. "
+    "The instructions are as follows."
+)
+
+# TI2I-unified system prompt. The released pipeline also uses it for EMPTY instructions, including the default
+# negative prompt "" in text-to-image mode. Keep that quirk: "fixing" it shifts the prompt distribution.
+BOOGU_TI2I_SYSTEM_PROMPT = (
+    "Describe the key features of the input image (color, shape, size, texture, objects, background), then explain "
+    "how the user's text instruction should alter or modify the image. Generate a new image that meets the user's "
+    "requirements while maintaining consistency with the original input where appropriate."
+)
 
 # verl-omni's Boogu recipe: 18 names that bind in both the trainer tree and the vllm-omni port.
 BOOGU_LORA_TARGETS = (
@@ -168,6 +180,34 @@ class BooguImageModel(FlowModel):
     # the 40 blocks over the joint sequence; the refiners (2 per stream, ~5% of the FLOPs at 512^2, each class its
     # own compilations) stay eager
     compile_block_prefixes = ("double_stream_layers", "single_stream_layers")
+    cfg_argument = "guidance_scale"  # the pipelines' keyword (and user flag) for the CFG scale
+    default_negative_prompt = ""  # the released pipeline's default negative prompt (empty: the TI2I system prompt)
+    supports_reference_images = True  # Edit: one reference image per prompt ("<image>" in the user message)
+    vllm_omni_pipeline = "engines.vllm_omni_pipelines.RLBooguImagePipeline"  # vllm-omni's RL pipeline class
+
+    @classmethod
+    def vae_scale_factor_of(cls, vae_config: Any) -> int:
+        """2^(len(block_out_channels) - 1) of the Boogu-Image VAE config (AutoencoderKL)."""
+        return 2 ** (len(vae_config.block_out_channels) - 1)
+
+    @classmethod
+    def vllm_omni_text(cls, system: str, user: str) -> str:
+        """The instruction (a leading "<image>" dropped) when the chat is the released layout: the system prompt
+        by the T2I/TI2I rule (`boogu_system_prompt`), at most one leading "<image>"; ValueError otherwise."""
+        has_image = user.startswith(IMAGE_PLACEHOLDER)
+        text = user[len(IMAGE_PLACEHOLDER):] if has_image else user
+        if system != boogu_system_prompt(text, has_image) or IMAGE_PLACEHOLDER in text:
+            raise ValueError("the vllm_omni engine takes Boogu message prompts only when they equal the released "
+                             "[system, user] layout (system prompt by the T2I/TI2I rule, at most one leading <image>); "
+                             "use --rollout_engine native for custom system prompts")
+        return text
+
+    @classmethod
+    def ocr_chats(cls, line: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        """[BOOGU_T2I_SYSTEM_PROMPT, the line] and the negative [BOOGU_TI2I_SYSTEM_PROMPT, ""]. The negative uses the
+        TI2I system prompt ON PURPOSE: the released pipeline encodes every empty instruction, including the default
+        negative "", with it (`boogu_system_prompt`). Do not "fix" it."""
+        return chat_messages(BOOGU_T2I_SYSTEM_PROMPT, line), chat_messages(BOOGU_TI2I_SYSTEM_PROMPT, "")
 
     def __init__(self, *, transformer: nn.Module, text_encoder: nn.Module, processor: Any, vae: nn.Module,
                  scheduler_config: dict[str, Any], device: Union[torch.device, str] = "cpu",
@@ -179,7 +219,7 @@ class BooguImageModel(FlowModel):
         self.processor = processor
         self.vae = vae
         self.scheduler_config = scheduler_config
-        self.vae_scale_factor = vae_scale_factor(self.family, vae.config)
+        self.vae_scale_factor = self.vae_scale_factor_of(vae.config)
         self.latent_channels = transformer.config.in_channels
         self.scaling_factor = float(vae.config.scaling_factor)
         self.shift_factor = float(vae.config.shift_factor or 0.0)
@@ -400,7 +440,7 @@ class BooguImageModel(FlowModel):
         rounding: each sample's noise/reference RoPE positions start at its own valid instruction length (not the
         padded width), padded instruction keys are masked in every attention, and the rest is per token."""
         self._check_latent_size(latents, height, width)
-        if not self.check_guidance(scale, negative, CFG_ARGUMENT[self.family]):
+        if not self.check_guidance(scale, negative, self.cfg_argument):
             return self.predict_velocity(latents, sigmas, prompt, ref_latents)
         if self.cfg_batch:
             b = latents.shape[0]

@@ -13,15 +13,21 @@ Conventions hidden here:
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 import losses
-from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
-from models.base import (CFG_ARGUMENT, FlowModel, NotLoaded, PromptEmbeds, per_row_noise, read_json, to_uint8,
-                         vae_scale_factor)
+from models.base import FlowModel, NotLoaded, PromptEmbeds, chat_messages, per_row_noise, read_json, to_uint8
+
+# System prompt of verl-omni's qwenimage_ocr.py converter (the pipeline drops its 34-token prefix); the data_prep
+# converters bake it into the parquet's chat-message lists.
+QWEN_IMAGE_SYSTEM_PROMPT = (
+    "Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of "
+    "the objects and background:"
+)
 
 # The pipeline's prompt template and the number of tokens of its prefix (system turn + "<|im_start|>user\n").
 PROMPT_PREFIX = f"<|im_start|>system\n{QWEN_IMAGE_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
@@ -140,7 +146,41 @@ class QwenImageModel(FlowModel):
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
     lora_block_prefixes = ("transformer_blocks",)
-    vae_scale_factor = 8
+    vae_scale_factor = 8  # the released VAE's; set from vae/config.json on load (`vae_scale_factor_of`)
+    cfg_argument = "true_cfg_scale"  # the pipelines' keyword (and user flag) for the CFG scale
+    default_negative_prompt = " "  # the released pipeline's default negative prompt (one space)
+    supports_reference_images = False  # text-to-image only
+    vllm_omni_pipeline = "engines.vllm_omni_pipelines.RLQwenImagePipeline"  # vllm-omni's RL pipeline class
+
+    @classmethod
+    def vae_scale_factor_of(cls, vae_config: Any) -> int:
+        """2^len(temperal_downsample) of the Qwen-Image VAE config."""
+        return 2 ** len(vae_config.temperal_downsample)
+
+    @classmethod
+    def load_kwargs(cls, args: Any) -> dict[str, Any]:
+        """--max_sequence_length: the prompt token cap of `encode_prompt`."""
+        return {"max_sequence_length": args.max_sequence_length}
+
+    @classmethod
+    def prompt_token_counter(cls, model_path: str) -> Callable[[Sequence[Any]], list[int]]:
+        """`prompt_token_lengths` with the pipeline folder's tokenizer (no model)."""
+        from transformers import Qwen2Tokenizer
+
+        tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(model_path, "tokenizer"))
+        return functools.partial(prompt_token_lengths, tokenizer)
+
+    @classmethod
+    def vllm_omni_text(cls, system: str, user: str) -> str:
+        """The user text, when the system turn is Qwen-Image's own (`render_prompt` raises otherwise)."""
+        render_prompt(chat_messages(system, user))
+        return user
+
+    @classmethod
+    def ocr_chats(cls, line: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+        """verl-omni's qwenimage_ocr.py layout: [QWEN_IMAGE_SYSTEM_PROMPT, the line] and the negative
+        [QWEN_IMAGE_SYSTEM_PROMPT, " "] (one space)."""
+        return chat_messages(QWEN_IMAGE_SYSTEM_PROMPT, line), chat_messages(QWEN_IMAGE_SYSTEM_PROMPT, " ")
 
     def __init__(
         self,
@@ -165,7 +205,7 @@ class QwenImageModel(FlowModel):
         self.tokenizer.padding_side = "right"
         self.scheduler_config = dict(scheduler_config)
         self.max_sequence_length = max_sequence_length
-        self.vae_scale_factor = vae_scale_factor(self.family, vae.config)
+        self.vae_scale_factor = self.vae_scale_factor_of(vae.config)
         self._check_scheduler_config()
         # drop_idx is only right if the tokenizer splits the template prefix into exactly DROP_IDX tokens.
         self.prefix_ids = self.tokenizer(PROMPT_PREFIX, add_special_tokens=False)["input_ids"]
@@ -348,7 +388,7 @@ class QwenImageModel(FlowModel):
         padded width (the table is only longer), padded text keys are masked out of the joint attention
         (`encoder_hidden_states_mask`, always passed here), and everything else in the text stream is per token.
         """
-        if not self.check_guidance(scale, negative, CFG_ARGUMENT[self.family]):
+        if not self.check_guidance(scale, negative, self.cfg_argument):
             return self.predict_velocity(latents, sigmas, prompt, ref_latents, height=height, width=width)
         if self.cfg_batch:
             b = latents.shape[0]

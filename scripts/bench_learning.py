@@ -79,7 +79,7 @@ START_POINT = (
     "64 words x 4 held-out templates), one sample each with the fixed seed rollout.row_seed(val_seed 42, 1, prompt "
     "index), 20-step ODE, 128x128, true CFG 1.0, rapidocr reward (mean over prompts, its standard error, and exact "
     "match). It is every run's step-0 evaluation and the control's value at every step. Measured for ocr_mini on "
-    "one H200 (2026-12-04, docs/measurements/2026-12-04/bench_learning_h200.json): reward 0.417 +- 0.022 (standard "
+    "one H200 (2026-12-04, docs/lab/measurements/2026-12-04/bench_learning_h200.json): reward 0.417 +- 0.022 (standard "
     "error over prompts), exact match 0.191.")
 
 # Why each setting is what it is (printed by --help, copied into the JSON and the markdown).
@@ -87,18 +87,19 @@ WHY: dict[str, str] = {
     "samples per update": (
         "each algorithm at its recipe's samples per optimizer step, one update per rollout step: Flow-DPPO and "
         "Flow-GRPO 16 prompts x 16 = 256 (verl-omni), DiffusionNFT 12 x 16 = 192 (verl-omni's mini-batch of 12 "
-        "prompts). Measured (2026-12-04, docs/measurements/2026-12-04/dppo_grpo_learning_analysis.md): at 32 samples per update the "
-        "Flow-DPPO/GRPO gradient is noise (cosine between two batches' gradients 0.00-0.09, against 0.33-0.41 for "
-        "DiffusionNFT) and the held-out reward fell (-0.047, -0.005); at 256 per update Flow-DPPO learned (+0.07 to "
-        "+0.1 held-out). One update per step also makes the Flow-GRPO ratio 1 in every update, so its clip (and "
-        "Flow-DPPO's mask) never binds there: at these defaults Flow-DPPO and Flow-GRPO take the same gradient "
-        "(their losses differ only from a second update per step on, e.g. --set grpo.train_batch_size=32)."),
+        "prompts). Measured (2026-12-04, docs/lab/measurements/2026-12-04/dppo_grpo_learning_analysis.md): at 32 "
+        "samples per update the Flow-DPPO/GRPO gradient is noise (cosine between two batches' gradients "
+        "0.00-0.09, against 0.33-0.41 for DiffusionNFT) and the held-out reward fell (-0.047, -0.005); at 256 per"
+        " update Flow-DPPO learned (+0.07 to +0.1 held-out). One update per step also makes the Flow-GRPO ratio 1"
+        " in every update, so its clip (and Flow-DPPO's mask) never binds there: at these defaults Flow-DPPO and "
+        "Flow-GRPO take the same gradient (their losses differ only from a second update per step on, e.g. --set "
+        "grpo.train_batch_size=32)."),
     "--scale": (
         "multiplies every algorithm's prompts per step alike (rollout_n 16 kept), e.g. 0.5 -> 8 x 16 and 6 x 16, "
         "if the GPU-second budget cannot afford the recipes' batches; the ratio between the algorithms stays."),
     "lr": (
         "3e-4 for every trained run, the recipes' value. Measured on one H200 (2026-12-04, "
-        "docs/measurements/2026-12-04/bench_learning_h200.json): at 3e-4 and these batches every algorithm beats "
+        "docs/lab/measurements/2026-12-04/bench_learning_h200.json): at 3e-4 and these batches every algorithm beats "
         "the control by +0.09 to +0.12 in ~105 GPU-s (3 seeds each). The earlier single-seed curves at 1e-3 "
         "(DiffusionNFT +0.16 in 78 GPU-s; Flow-DPPO peaking at step 30, then wandering) are not a reason to move "
         "every algorithm off the recipe; --set lr=1e-3 runs that value."),
@@ -361,7 +362,7 @@ def check_inputs(model_path: str, train_files: str, val_files: str) -> None:
         raise FileNotFoundError(f"--model_path {model_path}: no model_index.json (a pipeline folder is needed)")
     for flag, path in (("--train_files", train_files), ("--val_files", val_files)):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{flag} {path}: no such file (make it with data_prep/, e.g. qwen_image_ocr.py)")
+            raise FileNotFoundError(f"{flag} {path}: no such file (make it with data_prep/, e.g. ocr.py)")
     for flag, path in (("--train_files", train_files), ("--val_files", val_files)):
         sources = set(pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist())
         if sources != {"ocr"}:
@@ -371,14 +372,14 @@ def check_inputs(model_path: str, train_files: str, val_files: str) -> None:
 
 def make_smoke_data(out_dir: str) -> tuple[str, str]:
     """A few OCR prompts (train and held-out templates) through the project's converter -> (train, test) parquet."""
-    from data_prep import qwen_image_ocr
+    from data_prep import ocr
 
     text_dir = os.path.join(out_dir, "prompts")
     os.makedirs(text_dir, exist_ok=True)
     for split, templates in SMOKE_TEMPLATES.items():
         with open(os.path.join(text_dir, f"{split}.txt"), "w", encoding="utf-8") as f:
             f.write("\n".join(t.format(w) for t in templates for w in SMOKE_WORDS) + "\n")
-    qwen_image_ocr.main(["--input_dir", text_dir, "--output_dir", out_dir])
+    ocr.main(["--model", "qwen_image", "--input_dir", text_dir, "--output_dir", out_dir])
     return os.path.join(out_dir, "train.parquet"), os.path.join(out_dir, "test.parquet")
 
 
@@ -847,10 +848,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calibration_steps", type=int, default=4,
                    help="steps of each algorithm's solo calibration run (needed for --budget_s or --concurrent > 1)")
     p.add_argument("--ocr_workers", type=int, default=None,
-                   help="RapidOCR processes per run (default cores - 2, <= 16; 1 with --smoke). Per run, not split over the "
-                        "concurrent runs: the solo calibrations score with as many, so a step's reward time is that "
-                        "of a run alone on the machine; concurrent runs share the CPU, which slows only their wall "
-                        "time")
+                   help="RapidOCR processes per run (default cores - 2, <= 16; 1 with --smoke). Per run, not "
+                        "split over the concurrent runs: the solo calibrations score with as many, so a step's "
+                        "reward time is that of a run alone on the machine; concurrent runs share the CPU, which "
+                        "slows only their wall time")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="[ALGO.]KEY=VALUE",
                    help="change a trainer flag of every run (KEY=VALUE) or of one algorithm (e.g. "
                         "grpo.clip_ratio=1e-4, grpo.noise_level=0.7, lr=1e-3); applied last")

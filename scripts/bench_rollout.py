@@ -53,6 +53,7 @@ for path in (REPO, os.path.join(REPO, "scripts")):
 
 import build_tiny_models  # noqa: E402
 import rollout  # noqa: E402
+from models import family_class  # noqa: E402
 
 FAMILIES = ("qwen_image", "boogu_image")
 
@@ -74,7 +75,6 @@ PROMPTS = [
     'A museum placard beneath a dinosaur skeleton reading "Tyrannosaurus Rex, Late Cretaceous", soft spotlights on '
     'the bones.',
 ]
-NEGATIVE = {"qwen_image": " ", "boogu_image": ""}  # the released pipelines' defaults
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def make_request(family: str, args) -> rollout.RolloutRequest:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
     window = min(2, args.steps - 1) if args.steps > 1 else None
     return rollout.RolloutRequest(
-        prompts=prompts, negative_prompts=[NEGATIVE[family]] * args.batch,
+        prompts=prompts, negative_prompts=[family_class(family).default_negative_prompt] * args.batch,
         seeds=[rollout.row_seed(args.seed, 1, i) for i in range(args.batch)],
         num_inference_steps=args.steps, height=args.height, width=args.width, noise_level=args.noise_level,
         sde_window_size=window, sde_window_range=(0, args.steps) if window else None,

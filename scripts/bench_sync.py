@@ -46,7 +46,8 @@ for path in (REPO, os.path.join(REPO, "scripts")):
         sys.path.insert(0, path)
 
 import rollout  # noqa: E402
-import training as T  # noqa: E402
+from training.adapters import publish_tensors  # noqa: E402
+from training.model import adapter_config_dict, save_adapter_dir  # noqa: E402
 
 
 def lora_layout(model_path: str, rank: int) -> tuple[list[tuple[str, tuple[int, ...]]], list[str]]:
@@ -85,7 +86,7 @@ def sync_disk(client, layout, tensors, lora_config, root: str, version: int) -> 
     read it."""
     state = {key: t.to("cpu", torch.float32).clone() for (key, _), t in zip(layout, tensors)}
     path = os.path.join(root, f"v{version:08d}")
-    T.save_adapter_dir(state, lora_config, path)
+    save_adapter_dir(state, lora_config, path)
     counts = client.load_adapter(path, f"v{version}")
     for old in sorted(d for d in os.listdir(root) if d.startswith("v"))[:-2]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
@@ -144,7 +145,7 @@ def main(argv=None, client: rollout.DistributedRollout | None = None) -> int:
 
         alpha = float(args.lora_rank if args.lora_alpha is None else args.lora_alpha)
         lora_config = LoraConfig(r=args.lora_rank, lora_alpha=alpha, target_modules=targets)
-        config = T.adapter_config_dict(lora_config)
+        config = adapter_config_dict(lora_config)
         n_modules, numel = len(layout) // 2, rollout.layout_numel(rollout.adapter_layout(layout))
         adapters = [random_adapter(layout, device, seed) for seed in (1, 2)]
         workers = ["cuda:0"] + (["cuda:1"] if args.peer else []) if device.type == "cuda" else ["cpu"]
@@ -176,7 +177,7 @@ def main(argv=None, client: rollout.DistributedRollout | None = None) -> int:
                 if name == "disk":
                     counts = sync_disk(client, layout, tensors, lora_config, root, version)
                 else:
-                    counts = T.publish_tensors(client, layout, tensors, config, f"v{version}")
+                    counts = publish_tensors(client, layout, tensors, config, f"v{version}")
                 elapsed = time.perf_counter() - t0
                 counts_ok &= counts == [n_modules] * len(workers)
                 if repeat:
@@ -186,7 +187,7 @@ def main(argv=None, client: rollout.DistributedRollout | None = None) -> int:
         sync_disk(client, layout, adapters[0], lora_config, root, version + 1)
         via_disk = client.generate(request)
         floor = client.generate(request)
-        T.publish_tensors(client, layout, adapters[0], config, f"v{version + 2}")
+        publish_tensors(client, layout, adapters[0], config, f"v{version + 2}")
         via_tensors = client.generate(request)
         kernels_repeat = torch.equal(via_disk.latents_clean, floor.latents_clean)
         identical = torch.equal(via_disk.latents_clean, via_tensors.latents_clean)

@@ -1571,10 +1571,10 @@ def print_curve(run: Run) -> None:
 
 def write_datasets(out_dir: Path, words: Sequence[str]) -> dict[str, int]:
     """verl-omni parquet for RL: train.parquet (TRAIN_TEMPLATES x words), test.parquet (HELDOUT_TEMPLATES x
-    words), rows from `data_prep.qwen_image_ocr.make_row` (data_source 'ocr', ground truth = the word), plus
+    words), rows from `data_prep.ocr.make_row` for qwen_image (data_source 'ocr', ground truth = the word), plus
     info.json (words, templates)."""
     from data_prep.common import T2I_SCHEMA, first_quoted_span, write_parquet
-    from data_prep.qwen_image_ocr import make_row
+    from data_prep.ocr import make_row
 
     out_dir = Path(out_dir)
     splits = {"train": [(t.format(w), w) for t in TRAIN_TEMPLATES for w in words],
@@ -1585,7 +1585,7 @@ def write_datasets(out_dir: Path, words: Sequence[str]) -> dict[str, int]:
         for index, (prompt, word) in enumerate(items):
             if first_quoted_span(prompt) != word:
                 raise AssertionError(f"template bug: {prompt!r} does not quote {word!r}")
-            rows.append(make_row(prompt, word, split, index))
+            rows.append(make_row(prompt, word, split, index, model="qwen_image"))
         write_parquet(rows, out_dir / f"{split}.parquet", T2I_SCHEMA)
         counts[split] = len(rows)
     write_json_atomic(out_dir / "info.json", {"words": list(words), "train_templates": list(TRAIN_TEMPLATES),
@@ -1759,7 +1759,7 @@ def native_engine_images(pipeline_dir: str | Path, prompts: Sequence[str], seeds
     with the parquet's chat-message form of each prompt and true CFG off, as the RL runs sample."""
     import rollout
     from data_prep.common import chat
-    from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
+    from models.qwen_image import QWEN_IMAGE_SYSTEM_PROMPT
 
     engine = rollout.NativeEngine(str(pipeline_dir), device=device, dtype=torch.float32, max_batch_size=8)
     request = rollout.RolloutRequest(prompts=[chat(QWEN_IMAGE_SYSTEM_PROMPT, p) for p in prompts],

@@ -20,7 +20,7 @@
 # optimizer steps per rollout step); a rank's mini-batch is 4 x 16 = 64 samples, so micro 8.
 # Regional torch.compile of the double- and single-stream blocks (--compile blocks; trainer and native rollout):
 # 1.37x on one H200 after ~4 minutes of compilation in the first step (docs/PERFORMANCE.md); --compile off skips it.
-# Data: python data_prep/boogu_image_ocr.py --input_dir ~/data/ocr --output_dir ~/data/ocr/boogu_image
+# Data: python data_prep/ocr.py --model boogu_image --input_dir ~/data/ocr --output_dir ~/data/ocr/boogu_image
 # Extra flags go to train_nft.py: bash scripts/run_boogu_image_ocr_lora.sh --total_training_steps 100
 set -euo pipefail
 cd "$(dirname "$0")/.."

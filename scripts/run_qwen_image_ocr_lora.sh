@@ -19,7 +19,7 @@
 # Regional torch.compile of the transformer blocks (--compile blocks; trainer and native rollout): 1.35x on one
 # H200, after ~2-3 minutes of compilation in the first step (docs/PERFORMANCE.md); pass --compile off to skip it.
 # Flow-GRPO baseline: add `--loss flow_grpo --clip_ratio 1e-5`.
-# Data: python data_prep/qwen_image_ocr.py --input_dir ~/data/ocr --output_dir ~/data/ocr/qwen_image
+# Data: python data_prep/ocr.py --model qwen_image --input_dir ~/data/ocr --output_dir ~/data/ocr/qwen_image
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen-Image}

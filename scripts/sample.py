@@ -45,7 +45,6 @@ RUN_DEFAULTS = {"model_path": "model_path", "height": "height", "width": "width"
                 "seed": "val_seed", "batch_size": "rollout_max_batch_size", "cfg_batch": "cfg_batch",
                 "dtype": "rollout_dtype",
                 "run_cfg_scale": "cfg_scale"}  # no flag: the run's resolved CFG scale, for unset CFG flags
-DEFAULT_NEGATIVE = {"boogu_image": "", "qwen_image": " "}  # what the released pipelines / data_prep use
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,6 +100,7 @@ def prompt_rows(args, family: str) -> list:
     from PIL import Image
 
     from data_prep.dataset import PromptDataset, PromptRow
+    from models import family_class
 
     if args.parquet:
         return PromptDataset(args.parquet, guidance=False)  # negatives are checked once the scale is known
@@ -110,12 +110,14 @@ def prompt_rows(args, family: str) -> list:
             texts = [line.strip() for line in f if line.strip()]
         if not texts:
             raise ValueError(f"{args.prompts}: no prompts (one per line)")
-    if args.image and family != "boogu_image":
+    model_class = family_class(family)
+    if args.image and not model_class.supports_reference_images:
         raise ValueError(f"--image: reference images are for Boogu-Image edit, {args.model_path} is {family}")
     if len(args.image) not in (0, 1, len(texts)):
         raise ValueError(f"{len(args.image)} --image for {len(texts)} prompts: give one for all or one per prompt")
     images = [Image.open(path).convert("RGB") for path in args.image]
-    negative = DEFAULT_NEGATIVE[family] if args.negative_prompt is None else args.negative_prompt
+    # the released pipeline's default negative (what data_prep writes too) unless one is given
+    negative = model_class.default_negative_prompt if args.negative_prompt is None else args.negative_prompt
     return [PromptRow(index=i, prompt=text, negative_prompt=negative,
                       images=[images[i if len(images) > 1 else 0]] if images else [], ground_truth="",
                       data_source="") for i, text in enumerate(texts)]

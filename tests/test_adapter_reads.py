@@ -23,7 +23,7 @@ from peft import LoraConfig
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import training as T
+from training.checkpoint import MARKER, GatheredState, write_checkpoint
 from models import lora
 from test_trainers import REPO, cli, run_trainer
 from trainer_runs import trainer_lines
@@ -38,10 +38,10 @@ def write_step(root: str, step: int, seed: int) -> str:
     torch.manual_seed(seed)
     adapter = {f"{MODULE}.lora_A.weight": torch.randn(4, 16) * 0.05,
                f"{MODULE}.lora_B.weight": torch.randn(16, 4) * 0.05}
-    gathered = T.GatheredState(step=step, adapters={"default": adapter}, optim_state={"state": {}, "param_groups": []},
-                               rng_states=[], trainer_json={"step": step, "adapters": ["default"]},
-                               lora_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"]))
-    return T.write_checkpoint(root, gathered)
+    gathered = GatheredState(step=step, adapters={"default": adapter}, optim_state={"state": {}, "param_groups": []},
+                             rng_states=[], trainer_json={"step": step, "adapters": ["default"]},
+                             lora_config=LoraConfig(r=4, lora_alpha=8, target_modules=["to_q"]))
+    return write_checkpoint(root, gathered)
 
 
 @pytest.fixture
@@ -64,10 +64,10 @@ def reforge_zero_byte_adapter(ckpt: str) -> None:
     """Empty the checkpoint's default adapter weights and re-forge its COMPLETE entry to match (size 0, the sha256
     of no bytes): the manifest check passes, only reading the file can tell."""
     open(os.path.join(ckpt, WEIGHTS), "wb").close()
-    with open(os.path.join(ckpt, T.MARKER), encoding="utf-8") as f:
+    with open(os.path.join(ckpt, MARKER), encoding="utf-8") as f:
         marker = json.load(f)
     marker["files"][WEIGHTS] = {"size": 0, "sha256": hashlib.sha256(b"").hexdigest()}
-    with open(os.path.join(ckpt, T.MARKER), "w", encoding="utf-8") as f:
+    with open(os.path.join(ckpt, MARKER), "w", encoding="utf-8") as f:
         json.dump(marker, f)
 
 
@@ -98,7 +98,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 def test_an_adapter_folder_inside_a_checkpoint_without_its_manifest_is_refused(script, two_steps, tmp_path,
                                                                                 tiny_models):
     step1, step2 = two_steps
-    os.remove(os.path.join(step2, T.MARKER))  # a hand copy / partial checkpoint: nothing to verify against
+    os.remove(os.path.join(step2, MARKER))  # a hand copy / partial checkpoint: nothing to verify against
     folder = os.path.join(step2, "adapters", "default")
     scale_lora_b(folder, 1000.0)  # finite, and it would have ranked best
     out = str(tmp_path / "out")
@@ -110,7 +110,7 @@ def test_an_adapter_folder_inside_a_checkpoint_without_its_manifest_is_refused(s
 
 def test_init_adapter_inside_a_checkpoint_without_its_manifest_is_refused_at_parse_time(two_steps, tmp_path):
     _, step2 = two_steps
-    os.remove(os.path.join(step2, T.MARKER))
+    os.remove(os.path.join(step2, MARKER))
     folder = os.path.join(step2, "adapters", "default")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "train_nft.py"), "--init_adapter", folder,
                            "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300,

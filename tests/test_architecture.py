@@ -5,7 +5,8 @@ Every product module (the top-level *.py files and the packages `engines/`, `mod
 functions, under `TYPE_CHECKING`, relative (`from . import x`, `from .flags import y`). An edge A -> B means module A imports project
 module B (`from pkg import name` points at `pkg.name` when that is a module, else at `pkg`). The rollout code is
 layered (`engines/__init__.py`); a cycle anywhere is reported as its path, e.g. `a -> b -> a`. A name that crosses
-a module is public: no product module imports or reads another project module's `_name`.
+a module is public: no product module imports or reads another project module's `_name`. `training/__init__.py`
+exports only what the two trainers and the user scripts call; everything else is imported from its module.
 """
 
 from __future__ import annotations
@@ -143,6 +144,29 @@ def private_names_across_modules(root: Path, packages: tuple[str, ...] = PRODUCT
                 found.append(f"{name}:{node.lineno}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
     return sorted(found)
 
+
+TRAINING_CALLERS = ("train_nft.py", "train_dppo.py", "scripts/sample.py", "scripts/evaluate.py",
+                    "scripts/export_adapter.py")  # the files `training/__init__.py` exports for
+TRAINING_EXPORTS_MAX = 40
+
+
+def package_names_used(path: Path, package: str, submodules: set[str]) -> set[str]:
+    """The names file `path` reads from package `package` itself, anywhere in the file: `alias.name` where `alias`
+    is bound by `import package [as alias]`, and `from package import name`. A submodule (`alias.checkpoint`,
+    `from package import checkpoint`) is no name of the package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    aliases = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names if alias.name == package}
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module == package:
+            used |= {alias.name for alias in node.names if alias.name not in submodules}
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+              and node.attr not in submodules):
+            used.add(node.attr)
+    return used
+
+
 def test_the_product_code_has_no_import_cycle():
     graph = import_graph(REPO)
     # the graph covers what it must: the trainers' module, the layers, and imports inside functions
@@ -234,8 +258,8 @@ def test_the_checker_reads_the_real_tree_without_importing_it():
 
 
 def test_training_exports_each_name_from_the_module_named_for_its_job():
-    """`import training as T` gives every public name, each imported explicitly (no `import *`) from the one module
-    whose `__all__` lists it, and classes and functions are defined there (not re-exported from elsewhere)."""
+    """Each name `import training as T` gives is imported explicitly (no `import *`) from the one module whose
+    `__all__` lists it, and classes and functions are defined there (not re-exported from elsewhere)."""
     import importlib
 
     import training as T
@@ -257,6 +281,33 @@ def test_training_exports_each_name_from_the_module_named_for_its_job():
             value = getattr(module, name)
             if inspect.isclass(value) or inspect.isfunction(value):
                 assert value.__module__ == f"training.{node.module}", f"{name} is defined in {value.__module__}"
-    listed = {name for module in set(owner.values())
-              for name in importlib.import_module(f"training.{module}").__all__}
-    assert listed == {name for name in owner if not name.startswith("_")} == set(T.__all__)
+    assert sorted(owner) == sorted(T.__all__)  # what it imports is what it exports, each name once
+
+
+def test_training_exports_only_what_the_trainers_and_user_scripts_call():
+    """`training.__all__` is the small public face: at most TRAINING_EXPORTS_MAX names, each one used by a trainer
+    or a user script (TRAINING_CALLERS, read with `ast`), and every name they read from the package is exported.
+    Everything else (tests, benches, tools) imports from the defining module, e.g. `from training.optim import
+    GradStepper`."""
+    import training as T
+
+    submodules = {name.split(".", 1)[1] for name in product_modules(REPO) if name.startswith("training.")}
+    used = set().union(*(package_names_used(REPO / caller, "training", submodules) for caller in TRAINING_CALLERS))
+    assert used, "the trainers and scripts read no name of training/: the scan is broken"
+    exported = set(T.__all__)
+    assert len(T.__all__) == len(exported) <= TRAINING_EXPORTS_MAX, \
+        f"training exports {len(T.__all__)} names (at most {TRAINING_EXPORTS_MAX}, each once)"
+    assert not exported - used, ("training exports names no trainer or user script calls (import them from their "
+                                 f"module instead): {sorted(exported - used)}")
+    assert not used - exported, \
+        f"the trainers or user scripts read names training does not export: {sorted(used - exported)}"
+
+
+def test_the_package_name_scan_finds_each_form(tmp_path):
+    """`alias.name` (module level and inside a function, under any alias) and `from package import name` count; a
+    submodule, another package's attribute and a `from package.sub import name` do not."""
+    (tmp_path / "a.py").write_text("import training as T\nimport other\nfrom training import checkpoint, setup_run\n"
+                                   "from training.optim import GradStepper\n\ndef f():\n    import training\n"
+                                   "    return T.run_cli, T.logs.timer, training.timer, other.image_grid\n")
+    assert package_names_used(tmp_path / "a.py", "training", {"checkpoint", "logs", "optim"}) == {
+        "setup_run", "run_cli", "timer"}

@@ -17,6 +17,10 @@ import pytest
 
 import train_dppo
 import training as T
+from training.cli import suggest_flags
+from training.distributed import RankFailed
+from training.logs import tee_console
+from training.preflight import PreflightError
 from test_trainers import cli, demo_data, run_trainer  # noqa: F401 (fixture)
 from trainer_runs import error_line, trainer_lines
 
@@ -35,7 +39,7 @@ def test_misspelt_flag_is_one_line_with_a_suggestion(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "train_dppo.py: error: unrecognized arguments: --lerning_rate 1e-4 --rolout_n 2; --lerning_rate: did you mean "
         "--learning_rate?; --rolout_n: did you mean --rollout_n? (see train_dppo.py --help)"]
-    assert T.suggest_flags("unrecognized arguments: --zzz", ["--lr"]) == "unrecognized arguments: --zzz"
+    assert suggest_flags("unrecognized arguments: --zzz", ["--lr"]) == "unrecognized arguments: --zzz"
 
 
 @pytest.mark.parametrize("trainer, flag, value, owner", [("train_dppo.py", "--mix_beta", "0.1", "train_nft.py"),
@@ -65,9 +69,9 @@ def test_a_nodes_other_ranks_print_nothing_for_a_mistake_every_rank_sees(monkeyp
 
 
 @pytest.mark.parametrize("rank, local_rank, error, shown", [
-    (0, 0, T.PreflightError("--height 500: use 496 or 512"), "error: PreflightError: --height 500: use 496 or 512"),
-    (1, 1, T.PreflightError("--height 500: use 496 or 512"), None),  # every rank raised it: rank 0 said it
-    (1, 0, T.RankFailed("step 2 failed on rank 0"), "[rank 1] error: RankFailed: step 2 failed on rank 0"),  # node 1
+    (0, 0, PreflightError("--height 500: use 496 or 512"), "error: PreflightError: --height 500: use 496 or 512"),
+    (1, 1, PreflightError("--height 500: use 496 or 512"), None),  # every rank raised it: rank 0 said it
+    (1, 0, RankFailed("step 2 failed on rank 0"), "[rank 1] error: RankFailed: step 2 failed on rank 0"),  # node 1
     (1, 1, RuntimeError("boom\non two lines"), "[rank 1] error: RuntimeError: boom on two lines"),  # this rank's own
 ])
 def test_run_cli_prints_one_line_and_logs_the_traceback(tmp_path, monkeypatch, capsys, rank, local_rank, error,
@@ -80,7 +84,7 @@ def test_run_cli_prints_one_line_and_logs_the_traceback(tmp_path, monkeypatch, c
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
 
     def main(argv):
-        T.tee_console(str(tmp_path))
+        tee_console(str(tmp_path))
         raise error
 
     with pytest.raises(SystemExit) as info:

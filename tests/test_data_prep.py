@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from data_prep import boogu_image_edit_ocr, boogu_image_ocr, make_text_edit_data, qwen_image_ocr, set_data_source
+from data_prep import boogu_image_edit_ocr, make_text_edit_data, ocr, set_data_source
 from data_prep.common import first_quoted_span
-from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT, QWEN_IMAGE_SYSTEM_PROMPT
+from models.boogu_image import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
+from models.qwen_image import QWEN_IMAGE_SYSTEM_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_PROMPTS = REPO / "data_prep" / "demo_prompts.txt"
@@ -61,8 +62,8 @@ def test_t2i_converters_on_real_prompts(prompt_file, family, tmp_path):
     lines = [line.strip() for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "test.txt").write_text("\n".join(lines), encoding="utf-8")
-    module = boogu_image_ocr if family == "boogu" else qwen_image_ocr
-    module.main(["--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path / "out")])
+    model = "boogu_image" if family == "boogu" else "qwen_image"
+    ocr.main(["--model", model, "--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out" / "train.parquet").exists()  # no train.txt -> split skipped, not invented
     table = pq.read_table(tmp_path / "out" / "test.parquet")
     assert table.column_names == ["data_source", "prompt", "negative_prompt", "ability", "reward_model",
@@ -86,14 +87,61 @@ def test_t2i_converters_on_real_prompts(prompt_file, family, tmp_path):
             assert row["negative_prompt"] == msgs(QWEN_IMAGE_SYSTEM_PROMPT, " ")
 
 
+# The system prompts spelled out (not read from models/), so that a changed constant fails here: the parquet rows must
+# stay what the two per-family converters (data_prep/qwen_image_ocr.py, boogu_image_ocr.py) wrote before ocr.py.
+QWEN_SYSTEM = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+               "relationships of the objects and background:")
+BOOGU_T2I_SYSTEM = ("You are a helpful assistant that generates high-quality images based on user instructions. "
+                    "The instructions are as follows.")
+BOOGU_TI2I_SYSTEM = ("Describe the key features of the input image (color, shape, size, texture, objects, background), "
+                     "then explain how the user's text instruction should alter or modify the image. Generate a new "
+                     "image that meets the user's requirements while maintaining consistency with the original input "
+                     "where appropriate.")
+
+
+@pytest.mark.parametrize("model, system, negative", [
+    ("qwen_image", QWEN_SYSTEM, [{"role": "system", "content": QWEN_SYSTEM}, {"role": "user", "content": " "}]),
+    # the Boogu quirk: the empty negative takes the TI2I system prompt, not the T2I one
+    ("boogu_image", BOOGU_T2I_SYSTEM, [{"role": "system", "content": BOOGU_TI2I_SYSTEM},
+                                       {"role": "user", "content": ""}]),
+])
+def test_ocr_rows_of_each_family_are_exactly_the_old_converters(model, system, negative, tmp_path):
+    """data_prep/ocr.py --model writes, per family, exactly the rows of the converter it replaced (make_row and the
+    parquet read back), key order included."""
+    line = 'A neon sign that reads "Open Late" above a diner door'
+    expected = {
+        "data_source": "ocr",
+        "prompt": [{"role": "system", "content": system}, {"role": "user", "content": line}],
+        "negative_prompt": negative,
+        "ability": "ocr",
+        "reward_model": {"style": "model", "ground_truth": "Open Late"},
+        "extra_info": {"split": "train", "index": 1},
+    }
+    row = ocr.make_row(line, "Open Late", "train", 1, model=model)
+    assert row == expected and list(row) == list(expected)
+    assert [list(m) for m in row["prompt"] + row["negative_prompt"]] == [["role", "content"]] * 4
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "train.txt").write_text(f"no quoted text here\n{line}\n", encoding="utf-8")
+    ocr.main(["--model", model, "--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path / "out")])
+    assert read_rows(tmp_path / "out" / "train.parquet") == [expected]
+
+
+def test_ocr_converter_needs_a_known_model(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ocr.main(["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")])
+    assert "--model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ocr.main(["--model", "flux", "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")])
+
+
 def test_t2i_rows_without_quote_are_reported_and_skipped(tmp_path, capsys):
     lines = DEMO_PROMPTS.read_text().splitlines()[:5]
     lines.insert(1, "A landscape with no text at all")
     lines.insert(4, 'A sign with a dangling " quote')
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "train.txt").write_text("\n".join(lines), encoding="utf-8")
-    boogu_image_ocr.main(["--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path / "out"),
-                          "--splits", "train"])
+    ocr.main(["--model", "boogu_image", "--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path / "out"),
+              "--splits", "train"])
     err = capsys.readouterr().err
     assert "prompt 1 has no double-quoted target" in err and "prompt 4 has no double-quoted target" in err
     assert "skipped 2 of 7" in err
@@ -104,7 +152,7 @@ def test_t2i_rows_without_quote_are_reported_and_skipped(tmp_path, capsys):
 
 def test_t2i_converter_without_inputs_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.txt/test.txt"):
-        boogu_image_ocr.main(["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")])
+        ocr.main(["--model", "boogu_image", "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -291,9 +339,9 @@ def test_set_data_source_accepts_exactly_the_reward_names():
 
 
 @pytest.mark.parametrize("script, args, reason", [
-    ("qwen_image_ocr.py", ["--input_dir", "{tmp}/missing", "--output_dir", "{tmp}/out"],
+    ("ocr.py", ["--model", "qwen_image", "--input_dir", "{tmp}/missing", "--output_dir", "{tmp}/out"],
      "no train.txt/test.txt in {tmp}/missing"),
-    ("boogu_image_ocr.py", ["--input_dir", "{tmp}/empty", "--output_dir", "{tmp}/out"],
+    ("ocr.py", ["--model", "boogu_image", "--input_dir", "{tmp}/empty", "--output_dir", "{tmp}/out"],
      "refusing to write an empty dataset to {tmp}/out/train.parquet"),
     ("boogu_image_edit_ocr.py", ["--input_dir", "{tmp}/missing", "--output_dir", "{tmp}/out"],
      "no train.jsonl/test.jsonl in {tmp}/missing"),

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from data_prep import boogu_image_edit_ocr, boogu_image_ocr, make_text_edit_data
+from data_prep import boogu_image_edit_ocr, make_text_edit_data, ocr
 from data_prep.dataset import DatasetError, PromptDataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +52,8 @@ def test_t2i_dataset_from_converter(tmp_path):
     (tmp_path / "in").mkdir()
     lines = (REPO / "data_prep" / "demo_prompts.txt").read_text().splitlines()
     (tmp_path / "in" / "train.txt").write_text("\n".join(lines))
-    boogu_image_ocr.main(["--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path), "--splits", "train"])
+    ocr.main(["--model", "boogu_image", "--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path), "--splits",
+              "train"])
     ds = PromptDataset(tmp_path / "train.parquet", guidance=True, data_sources=("ocr", "pickscore"))
     assert len(ds) == len(lines)
     r = ds[10]

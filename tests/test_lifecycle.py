@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import training as T
+from training.checkpoint import verify_checkpoint
+from training.lifecycle import RunLock, RunLockError, describe_silent, pid_alive, silent_ranks
 from test_resume_faults import Trainer
 from test_rewards import FakeJudge
 from test_trainers import REPO, cli, demo_data, free_port, run_trainer  # noqa: F401 (fixture)
@@ -44,8 +45,8 @@ def test_the_run_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
     out = tmp_path / "run"
     holder = holder_process(out)
     try:
-        with pytest.raises(T.RunLockError) as info:
-            T.RunLock.acquire(str(out), wait_s=0.2)
+        with pytest.raises(RunLockError) as info:
+            RunLock.acquire(str(out), wait_s=0.2)
         message = str(info.value)
         assert "\n" not in message  # one line
         assert re.search(rf"--output_dir {re.escape(str(out))} is in use by a live run \(host "
@@ -56,13 +57,13 @@ def test_the_run_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
         holder.wait()
     # the holder died without releasing: the kernel dropped its flock, the file still names it
     assert json.loads((out / "RUN_LOCK").read_text())["pid"] == holder.pid
-    lock = T.RunLock.acquire(str(out))
+    lock = RunLock.acquire(str(out))
     assert f"took over the run lock {out}/RUN_LOCK of a run that ended without releasing it" in lock.message
     assert f"pid {holder.pid} is dead" in lock.message
     assert json.loads((out / "RUN_LOCK").read_text())["pid"] == os.getpid()
     lock.release()
     assert (out / "RUN_LOCK").read_text() == ""  # a clean end leaves nothing to take over
-    again = T.RunLock.acquire(str(out))
+    again = RunLock.acquire(str(out))
     assert again.message == ""
     again.release()
 
@@ -89,13 +90,13 @@ def test_the_parent_watchdog_ends_an_orphan(tmp_path):
     """)
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
     child_pid = int(proc.stdout.readline())
-    assert T.pid_alive(child_pid)
+    assert pid_alive(child_pid)
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 10
-    while T.pid_alive(child_pid) and time.monotonic() < deadline:
+    while pid_alive(child_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not T.pid_alive(child_pid)
+    assert not pid_alive(child_pid)
     old, _ = marker.read_text().split()
     assert int(old) == proc.pid
 
@@ -119,9 +120,9 @@ def test_silent_ranks_are_named_from_their_heartbeats(tmp_path):
             json.dump({"host": "h", "pid": 100 + rank, "rank": rank}, f)
     old = time.time() - 95
     os.utime(os.path.join(out, ".heartbeats", "rank_00001.json"), (old, old))
-    silent = T.silent_ranks(out, 4)
+    silent = silent_ranks(out, 4)
     assert [rank for rank, _, _ in silent] == [3, 1]  # rank 3 never beat; rank 1 stopped 95 s ago
-    text = T.describe_silent(silent)
+    text = describe_silent(silent)
     assert text.startswith("rank 3 (host ?, pid ?): no heartbeat at all; rank 1 (host h, pid 101): no sign of "
                            "life for 9"), text
 
@@ -162,9 +163,9 @@ def rank_pid(agent: int, rank: int) -> int:
 
 def wait_gone(pids, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while any(T.pid_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(T.pid_alive(p) for p in pids), [p for p in pids if T.pid_alive(p)]
+    assert not any(pid_alive(p) for p in pids), [p for p in pids if pid_alive(p)]
 
 
 def kill_group(trainer: Trainer) -> None:
@@ -211,7 +212,7 @@ def test_one_live_run_per_folder_and_no_orphans_when_the_agent_is_killed(demo_da
     assert saved, text[-3000:]
     step = int(saved.group(3))
     assert step >= 1 and int(saved.group(2)) == step
-    T.verify_checkpoint(saved.group(1))
+    verify_checkpoint(saved.group(1))
     third = run_trainer("train_dppo.py", base_flags(tiny_models, demo_data, out, total_training_steps=step + 1,
                                                     save_freq=100), nproc=1)
     assert f"took over the run lock {out}/RUN_LOCK of a run that ended without releasing it" in third.stdout
@@ -247,7 +248,7 @@ def test_sigterm_during_a_long_step_saves_the_last_finished_step_within_the_shut
     assert elapsed < 8, elapsed
     text = run.output
     assert re.search(r"saved checkpoint \S+step_00000001 \([\d.]+ s\): step 1, the last finished step", text), text
-    T.verify_checkpoint(str(out / "checkpoints" / "step_00000001"))
+    verify_checkpoint(str(out / "checkpoints" / "step_00000001"))
     assert "step 2/5" not in text
 
 
@@ -320,7 +321,7 @@ def test_a_judge_restart_is_ridden_out_and_a_judge_that_stays_down_saves_the_las
     assert "step 2/8" in text
     assert re.search(r"saved checkpoint \S+step_00000003 \([\d.]+ s\): step 3, the last finished step, written at "
                      r"once \(before stopping on the error in the rollout of step 4: GenRMServerError", text), text
-    T.verify_checkpoint(str(out / "checkpoints" / "step_00000003"))
+    verify_checkpoint(str(out / "checkpoints" / "step_00000003"))
     found = re.search(r"failed (\d+) attempt\(s\) in ([\d.]+) s \(timeout \S+ each, .*; (\d+) could not connect, "
                       r"retried for up to --genrm_retry_total_s 12 s", text)
     assert found, text[-4000:]
@@ -343,7 +344,7 @@ def test_a_dead_rollout_worker_ends_the_run_after_saving_the_last_step(demo_data
                       r"RolloutError: rollout worker 0 \(cpu\)", text)
     assert saved, text[-4000:]
     assert int(saved.group(2)) >= 2
-    T.verify_checkpoint(str(out / "checkpoints" / f"step_{saved.group(1)}"))
+    verify_checkpoint(str(out / "checkpoints" / f"step_{saved.group(1)}"))
     assert "RolloutError: rollout worker 0 (cpu) died" in text
 
 

@@ -18,6 +18,35 @@ def test_family_from_model_index(tiny_models, tmp_path):
     assert model_family(str(tmp_path)) == "boogu_image"
 
 
+def test_each_family_class_carries_what_the_code_asks_a_family(tiny_models):
+    """FAMILIES maps model_index.json to the class; the class answers every per-family question (no branch on the
+    name elsewhere), with the values the code had in its own tables before."""
+    from types import SimpleNamespace
+
+    from models import FAMILIES, check_size_for, family_class
+
+    assert {cls: family for cls, (family, _, _) in FAMILIES.items()} == {"QwenImagePipeline": "qwen_image",
+                                                                         "BooguImagePipeline": "boogu_image"}
+    qwen, boogu = family_class("qwen_image"), family_class("boogu_image")
+    assert (qwen.__name__, boogu.__name__, qwen.family, boogu.family) == (
+        "QwenImageModel", "BooguImageModel", "qwen_image", "boogu_image")
+    assert (qwen.cfg_argument, boogu.cfg_argument) == ("true_cfg_scale", "guidance_scale")
+    assert (qwen.default_negative_prompt, boogu.default_negative_prompt) == (" ", "")
+    assert not qwen.supports_reference_images and boogu.supports_reference_images
+    assert (qwen.vllm_omni_pipeline, boogu.vllm_omni_pipeline) == (
+        "engines.vllm_omni_pipelines.RLQwenImagePipeline", "engines.vllm_omni_pipelines.RLBooguImagePipeline")
+    args = SimpleNamespace(max_sequence_length=77)
+    assert qwen.load_kwargs(args) == {"max_sequence_length": 77} and boogu.load_kwargs(args) == {}
+    assert qwen.vae_scale_factor_of(SimpleNamespace(temperal_downsample=[False, True, True])) == 8
+    assert boogu.vae_scale_factor_of(SimpleNamespace(block_out_channels=[1, 2, 3, 4])) == 8
+    assert check_size_for(os.path.join(tiny_models, "qwen_image"), 64, 32) == "qwen_image"
+    assert boogu.prompt_token_counter(os.path.join(tiny_models, "boogu_image_base")) is None  # never truncates
+    count = qwen.prompt_token_counter(os.path.join(tiny_models, "qwen_image"))
+    assert count(["a cat", "a cat on a mat"])[0] < count(["a cat", "a cat on a mat"])[1]
+    with pytest.raises(ValueError, match="unknown model family"):
+        family_class("flux")
+
+
 def test_unknown_class_name_raises(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
     with pytest.raises(ValueError, match="StableDiffusion3Pipeline"):
@@ -83,7 +112,8 @@ def test_prompt_embeds_cat_and_index():
 
 
 def test_cfg_scale_uses_the_family_knob_and_refuses_the_other():
-    from models.base import DEFAULT_CFG_SCALE, cfg_scale
+    from models import cfg_scale
+    from models.base import DEFAULT_CFG_SCALE
 
     assert DEFAULT_CFG_SCALE == 4.0  # both released pipelines' default
     assert cfg_scale("boogu_image", None, None) == 4.0 and cfg_scale("boogu_image", 2.5, None) == 2.5
@@ -101,7 +131,7 @@ def test_cfg_scale_uses_the_family_knob_and_refuses_the_other():
 def test_pipeline_cfg_kwargs_name_each_familys_argument():
     """The one scale reaches each family's pipeline under that pipeline's own name (what diffusers' and vllm-omni's
     Qwen-Image and Boogu-Image pipelines take)."""
-    from models.base import pipeline_cfg_kwargs
+    from models import pipeline_cfg_kwargs
 
     assert pipeline_cfg_kwargs("qwen_image", 3) == {"true_cfg_scale": 3.0}
     assert pipeline_cfg_kwargs("boogu_image", 1.0) == {"guidance_scale": 1.0}

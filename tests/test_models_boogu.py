@@ -15,11 +15,12 @@ import PIL.Image
 import pytest
 import torch
 
-from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
 from losses import flow_sigmas
 from models import load_model
 from models.boogu_image import (
     BOOGU_LORA_TARGETS,
+    BOOGU_T2I_SYSTEM_PROMPT,
+    BOOGU_TI2I_SYSTEM_PROMPT,
     BooguImageModel,
     boogu_schedule_mu,
     boogu_system_prompt,

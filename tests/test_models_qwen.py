@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
 from models import load_model
 from models.base import PromptEmbeds
-from models.qwen_image import DROP_IDX, PROMPT_PREFIX, QwenImageModel, pack_latents, render_prompt, unpack_latents
+from models.qwen_image import (DROP_IDX, PROMPT_PREFIX, QWEN_IMAGE_SYSTEM_PROMPT, QwenImageModel, pack_latents,
+                               render_prompt, unpack_latents)
 
 PROMPTS = ['A storefront sign that reads "OPEN 24 HOURS"', 'a cat']
 NEG = " "

@@ -17,7 +17,13 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
-from training.model import full_tensor  # noqa: E402
+from training.flags import resolve_cfg_scale  # noqa: E402
+from training.model import (adapter_params, add_lora_adapters, apply_activation_checkpointing,  # noqa: E402
+                            base_weight_dtype, cast_frozen_base_, checkpointed_block_indices, full_tensor,
+                            load_flow_model, prepare_transformer, shard_transformer)
+from training.optim import GradStepper, build_optimizer  # noqa: E402
+from training.perf import (PEAK_TFLOPS_ENV, device_peak_flops, phase_perf_metrics, rollout_device_count,  # noqa: E402
+                           transformer_flops)
 from models import lora  # noqa: E402
 from models.base import BLOCK_GRAPH_LIMIT, compile_blocks, transformer_blocks  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
@@ -47,18 +53,18 @@ def tiny(base_dtype: torch.dtype, *, shard: bool = True, checkpoint_blocks=None)
     torch.manual_seed(0)
     model = TinyFlowTransformer()
     model.requires_grad_(False)
-    T.cast_frozen_base_(model, base_dtype)
+    cast_frozen_base_(model, base_dtype)
     torch.manual_seed(1)
-    T.add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0, adapter_names=("default", "old"),
-                        block_prefixes=BLOCK_PREFIXES)
+    add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0, adapter_names=("default", "old"),
+                      block_prefixes=BLOCK_PREFIXES)
     with torch.no_grad():
-        for name, p in T.adapter_params(model, "default"):
+        for name, p in adapter_params(model, "default"):
             if ".lora_B." in name:
                 p.normal_(0, 0.2)
     if checkpoint_blocks is not None:
-        T.apply_activation_checkpointing(model, BLOCK_PREFIXES, checkpoint_blocks)
+        apply_activation_checkpointing(model, BLOCK_PREFIXES, checkpoint_blocks)
     if shard:
-        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy())
+        shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy())
     return model
 
 
@@ -68,12 +74,12 @@ def tiny(base_dtype: torch.dtype, *, shard: bool = True, checkpoint_blocks=None)
 
 
 def test_base_weight_dtype_follows_the_compute_dtype():
-    assert T.base_weight_dtype(torch.device("cuda", 0), "bf16", "compute") == torch.bfloat16
-    assert T.base_weight_dtype(torch.device("cuda", 0), "bf16", "fp32") == torch.float32  # the old path
-    assert T.base_weight_dtype(torch.device("cuda", 0), "fp32", "compute") == torch.float32
-    assert T.base_weight_dtype(torch.device("cpu"), "bf16", "compute") == torch.float32  # CPU computes in fp32
+    assert base_weight_dtype(torch.device("cuda", 0), "bf16", "compute") == torch.bfloat16
+    assert base_weight_dtype(torch.device("cuda", 0), "bf16", "fp32") == torch.float32  # the old path
+    assert base_weight_dtype(torch.device("cuda", 0), "fp32", "compute") == torch.float32
+    assert base_weight_dtype(torch.device("cpu"), "bf16", "compute") == torch.float32  # CPU computes in fp32
     with pytest.raises(ValueError, match="base_weights_dtype"):
-        T.base_weight_dtype("cpu", "bf16", "bf16")
+        base_weight_dtype("cpu", "bf16", "bf16")
 
 
 def test_bf16_stored_base_equals_fp32_base_under_the_bf16_policy():
@@ -84,8 +90,8 @@ def test_bf16_stored_base_equals_fp32_base_under_the_bf16_policy():
     ref, new = tiny(torch.float32), tiny(torch.bfloat16)
     base = [p for n, p in new.named_parameters() if ".lora_" not in n]
     assert base and all(p.dtype == torch.bfloat16 and isinstance(p, DTensor) for p in base)
-    assert all(p.dtype == torch.float32 for _, p in T.adapter_params(new, "default") + T.adapter_params(new, "old"))
-    opts = [T.build_optimizer(m, lr=1e-2) for m in (ref, new)]
+    assert all(p.dtype == torch.float32 for _, p in adapter_params(new, "default") + adapter_params(new, "old"))
+    opts = [build_optimizer(m, lr=1e-2) for m in (ref, new)]
     x = torch.randn(2, 5, 4)
     for _ in range(2):  # the second forward runs on the weights after one AdamW step
         outs = []
@@ -93,12 +99,12 @@ def test_bf16_stored_base_equals_fp32_base_under_the_bf16_policy():
             y = model(x)
             y.float().pow(2).mean().backward()
             outs.append(y.detach())
-            grads = [full_tensor(p.grad) for _, p in T.adapter_params(model, "default")]
+            grads = [full_tensor(p.grad) for _, p in adapter_params(model, "default")]
             assert all(g.dtype == torch.float32 for g in grads)
             opt.step()
             opt.zero_grad(set_to_none=True)
         assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
-    for (n, p), (_, q) in zip(T.adapter_params(ref, "default"), T.adapter_params(new, "default")):
+    for (n, p), (_, q) in zip(adapter_params(ref, "default"), adapter_params(new, "default")):
         assert torch.equal(full_tensor(p), full_tensor(q)), n
     state = next(iter(opts[1].state.values()))
     assert state["exp_avg"].dtype == torch.float32
@@ -107,7 +113,7 @@ def test_bf16_stored_base_equals_fp32_base_under_the_bf16_policy():
 def test_lora_init_is_fp32_exact_on_a_bf16_base():
     """peft moves a new adapter to its base layer's dtype; `add_lora_adapters` must still give the fp32 init."""
     ref, new = tiny(torch.float32, shard=False), tiny(torch.bfloat16, shard=False)
-    pairs = list(zip(T.adapter_params(ref, "old"), T.adapter_params(new, "old")))  # "old": untouched after init
+    pairs = list(zip(adapter_params(ref, "old"), adapter_params(new, "old")))  # "old": untouched after init
     assert all(torch.equal(p, q) for (_, p), (_, q) in pairs)
     assert all(q.requires_grad is False for n, q in new.named_parameters() if ".lora_" not in n)
     # the same injection through peft alone rounds the initial A through bf16: the guard above is needed
@@ -116,8 +122,8 @@ def test_lora_init_is_fp32_exact_on_a_bf16_base():
     torch.manual_seed(1)
     lora.apply_lora(plain, list(TARGETS), rank=3, alpha=6.0, block_prefixes=BLOCK_PREFIXES,
                     adapter_names=("default", "old"), init_lora_weights="gaussian")
-    a_ref = [p for n, p in T.adapter_params(ref, "old") if ".lora_A." in n]
-    a_plain = [p for n, p in T.adapter_params(plain, "old") if ".lora_A." in n]
+    a_ref = [p for n, p in adapter_params(ref, "old") if ".lora_A." in n]
+    a_plain = [p for n, p in adapter_params(plain, "old") if ".lora_A." in n]
     assert any(not torch.equal(p, q.float()) for p, q in zip(a_ref, a_plain))
 
 
@@ -128,9 +134,9 @@ def test_load_flow_model_reads_bf16_and_keeps_fp32_inputs(tiny_models):
 
     path = os.path.join(tiny_models, "qwen_image")
     flags = SimpleNamespace(max_sequence_length=64, cfg_batch=False, precision="bf16", base_weights_dtype="compute")
-    new = T.load_flow_model(path, flags, torch.device("cuda", 0))  # loads on the CPU; no CUDA needed
-    ref = T.load_flow_model(path, SimpleNamespace(**{**vars(flags), "base_weights_dtype": "fp32"}),
-                            torch.device("cuda", 0))
+    new = load_flow_model(path, flags, torch.device("cuda", 0))  # loads on the CPU; no CUDA needed
+    ref = load_flow_model(path, SimpleNamespace(**{**vars(flags), "base_weights_dtype": "fp32"}),
+                          torch.device("cuda", 0))
     assert {p.dtype for p in new.transformer.parameters()} == {torch.bfloat16} and new.dtype == torch.float32
     assert {p.dtype for p in ref.transformer.parameters()} == {torch.float32} and ref.dtype == torch.float32
     torch.manual_seed(3)
@@ -140,9 +146,9 @@ def test_load_flow_model_reads_bf16_and_keeps_fp32_inputs(tiny_models):
     for model in (ref, new):
         model.device = torch.device("cpu")
         torch.manual_seed(1)
-        T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
-                            block_prefixes=model.lora_block_prefixes)
-        T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu")
+        add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
+                          block_prefixes=model.lora_block_prefixes)
+        shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu")
         outs.append(model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64))
     assert outs[0].dtype == torch.float32 and torch.equal(outs[0], outs[1])
 
@@ -169,7 +175,7 @@ def nft_micro_steps(model, optimizer, inputs, forward=None):
         outs += [v.detach(), v_old, v_ref]
         if i % 2 == 1:
             grads.append([None if p.grad is None else full_tensor(p.grad).clone()
-                          for _, p in T.adapter_params(_transformer(model), "default")])
+                          for _, p in adapter_params(_transformer(model), "default")])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return outs, grads
@@ -188,20 +194,20 @@ def test_one_rank_placement_equals_fsdp2_bit_for_bit():
     models = []
     for mode in ("always", "auto"):
         model = tiny(torch.bfloat16, shard=False, checkpoint_blocks=3)
-        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy(), device="cpu", fsdp=mode)
+        shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy(), device="cpu", fsdp=mode)
         models.append(model)
     fsdp, direct = models
     assert not any(isinstance(p, DTensor) for p in direct.parameters())
-    assert all(p.dtype == torch.float32 for _, p in T.adapter_params(direct, "default"))
+    assert all(p.dtype == torch.float32 for _, p in adapter_params(direct, "default"))
     torch.manual_seed(0)
     inputs = [torch.randn(2, 5, 4) for _ in range(4)]
-    results = [nft_micro_steps(m, T.build_optimizer(m, lr=1e-2), inputs) for m in models]
+    results = [nft_micro_steps(m, build_optimizer(m, lr=1e-2), inputs) for m in models]
     (outs_a, grads_a), (outs_b, grads_b) = results
     assert all(o.dtype == torch.bfloat16 for o in outs_b)
     assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
     assert all(g.dtype == torch.float32 for step in grads_b for g in step)
     assert all(torch.equal(a, b) for sa, sb in zip(grads_a, grads_b) for a, b in zip(sa, sb))
-    for (n, p), (_, q) in zip(T.adapter_params(fsdp, "default"), T.adapter_params(direct, "default")):
+    for (n, p), (_, q) in zip(adapter_params(fsdp, "default"), adapter_params(direct, "default")):
         assert torch.equal(full_tensor(p), q), n
     # a block called with an fp32 argument: FSDP2 casts it to bf16 before the block's bf16 weights see it; so must
     # the one-rank placement (without its block hook the bf16 base Linear would refuse the fp32 input)
@@ -227,16 +233,16 @@ def family_nft_run(path: str, fsdp: str, *, dtype: torch.dtype = torch.bfloat16,
     model = load_model(path, device="cpu", dtype=dtype, transformer_only=True)
     model.dtype = torch.float32
     torch.manual_seed(1)
-    T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
-                        block_prefixes=model.lora_block_prefixes, adapter_names=("default", "old"))
+    add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
+                      block_prefixes=model.lora_block_prefixes, adapter_names=("default", "old"))
     with torch.no_grad():
         for adapter in ("default", "old") if old_b else ("default",):
-            for key, p in T.adapter_params(model.transformer, adapter):
+            for key, p in adapter_params(model.transformer, adapter):
                 if ".lora_B." in key:
                     p.normal_(0, 0.05)
-    T.apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
+    apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
     policy = bf16_policy() if dtype == torch.bfloat16 else MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=policy, device="cpu", fsdp=fsdp)
+    shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=policy, device="cpu", fsdp=fsdp)
     if compile == "blocks":
         compile_blocks(model.transformer, model.lora_block_prefixes)
     torch.manual_seed(3)
@@ -248,7 +254,7 @@ def family_nft_run(path: str, fsdp: str, *, dtype: torch.dtype = torch.bfloat16,
         prompt = prompt_embeds[next(calls) // 6 % len(prompts)]
         return model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64)
 
-    return (model, *nft_micro_steps(model, T.build_optimizer(model.transformer, lr=1e-2), inputs, forward))
+    return (model, *nft_micro_steps(model, build_optimizer(model.transformer, lr=1e-2), inputs, forward))
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])
@@ -262,7 +268,7 @@ def test_one_rank_placement_of_both_families_equals_fsdp2(tiny_models, name):
     path = os.path.join(tiny_models, name)
     (model, outs_a, grads_a), (_, outs_b, grads_b) = [family_nft_run(path, mode) for mode in ("always", "auto")]
     assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
-    names = [key for key, _ in T.adapter_params(model.transformer, "default")]
+    names = [key for key, _ in adapter_params(model.transformer, "default")]
     differ = set()
     for step_a, step_b in zip(grads_a, grads_b):
         for key, a, b in zip(names, step_a, step_b):
@@ -306,8 +312,8 @@ def test_compile_blocks_wraps_each_block_once_and_fails_closed():
     config = torch._dynamo.config
     assert config.fail_on_recompile_limit_hit and config.recompile_limit >= BLOCK_GRAPH_LIMIT
     with pytest.raises(ValueError, match="compile must be"):
-        T.prepare_transformer(TinyFlowTransformer(), block_prefixes=BLOCK_PREFIXES, target_modules=TARGETS,
-                              lora_rank=2, lora_alpha=2.0, compile="yes")
+        prepare_transformer(TinyFlowTransformer(), block_prefixes=BLOCK_PREFIXES, target_modules=TARGETS,
+                            lora_rank=2, lora_alpha=2.0, compile="yes")
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "boogu_image_base"])
@@ -330,10 +336,10 @@ def test_the_native_engine_and_the_trainer_compile_the_family_blocks_when_asked(
     for flag in (False, True):
         assert compiled(rollout.NativeEngine(path, compile_blocks=flag).model) == [e and flag for e in expected]
     model = load_model(path, transformer_only=True)
-    T.prepare_transformer(model.transformer, block_prefixes=model.lora_block_prefixes,
-                          target_modules=model.default_lora_targets, lora_rank=2, lora_alpha=2.0, device="cpu",
-                          fsdp="auto", compile="blocks",
-                          compile_prefixes=model.blocks_to_compile)
+    prepare_transformer(model.transformer, block_prefixes=model.lora_block_prefixes,
+                        target_modules=model.default_lora_targets, lora_rank=2, lora_alpha=2.0, device="cpu",
+                        fsdp="auto", compile="blocks",
+                        compile_prefixes=model.blocks_to_compile)
     assert compiled(model) == expected
 
 
@@ -377,15 +383,15 @@ def test_compiled_replay_with_grad_equals_the_update_forward(tiny_models):
     model = load_model(path, device="cpu", dtype=torch.bfloat16, transformer_only=True)
     model.dtype = torch.float32
     torch.manual_seed(1)
-    T.add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
-                        block_prefixes=model.lora_block_prefixes)
+    add_lora_adapters(model.transformer, target_modules=model.default_lora_targets, rank=4, alpha=8.0,
+                      block_prefixes=model.lora_block_prefixes)
     with torch.no_grad():
-        for key, p in T.adapter_params(model.transformer, "default"):
+        for key, p in adapter_params(model.transformer, "default"):
             if ".lora_B." in key:
                 p.normal_(0, 0.05)
-    T.apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
-    T.shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu",
-                        fsdp="auto")
+    apply_activation_checkpointing(model.transformer, model.lora_block_prefixes)
+    shard_transformer(model.transformer, model.lora_block_prefixes, mp_policy=bf16_policy(), device="cpu",
+                      fsdp="auto")
     compile_blocks(model.transformer, model.lora_block_prefixes)
     x = model.prepare_noise(64, 64, [torch.Generator().manual_seed(s) for s in (1, 2)])
     forward = lambda: model.predict_velocity(x, torch.tensor([0.9, 0.4]), prompt, height=64, width=64)  # noqa
@@ -400,12 +406,12 @@ def test_one_rank_placement_refuses_what_it_cannot_reproduce():
     bad mode is refused; with no compute dtype (fp32 training) the model is only placed."""
     model = tiny(torch.float32, shard=False)
     with pytest.raises(ValueError, match="base_weights_dtype compute"):
-        T.shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy(), device="cpu", fsdp="auto")
+        shard_transformer(model, BLOCK_PREFIXES, mp_policy=bf16_policy(), device="cpu", fsdp="auto")
     with pytest.raises(ValueError, match="--fsdp must be one of"):
-        T.shard_transformer(tiny(torch.bfloat16, shard=False), BLOCK_PREFIXES, fsdp="never")
+        shard_transformer(tiny(torch.bfloat16, shard=False), BLOCK_PREFIXES, fsdp="never")
     plain = tiny(torch.float32, shard=False)
     placed = tiny(torch.float32, shard=False)
-    T.shard_transformer(placed, BLOCK_PREFIXES, device="cpu", fsdp="auto")
+    shard_transformer(placed, BLOCK_PREFIXES, device="cpu", fsdp="auto")
     x = torch.randn(2, 5, 4)
     assert torch.equal(plain(x), placed(x)) and type(placed) is TinyFlowTransformer
 
@@ -416,18 +422,18 @@ def test_one_rank_placement_refuses_what_it_cannot_reproduce():
 
 
 def test_selective_checkpointing_chooses_evenly_and_keeps_gradients():
-    assert T.checkpointed_block_indices(4) == [0, 1, 2, 3]
-    assert T.checkpointed_block_indices(46, 0) == []
-    assert T.checkpointed_block_indices(6, 3) == [1, 3, 5]
-    assert len(T.checkpointed_block_indices(46, 23)) == 23 and len(T.checkpointed_block_indices(60, 7)) == 7
+    assert checkpointed_block_indices(4) == [0, 1, 2, 3]
+    assert checkpointed_block_indices(46, 0) == []
+    assert checkpointed_block_indices(6, 3) == [1, 3, 5]
+    assert len(checkpointed_block_indices(46, 23)) == 23 and len(checkpointed_block_indices(60, 7)) == 7
     with pytest.raises(ValueError, match="activation_checkpointing_blocks"):
-        T.checkpointed_block_indices(3, 4)
+        checkpointed_block_indices(3, 4)
     plain, partial = tiny(torch.float32, shard=False), tiny(torch.float32, shard=False, checkpoint_blocks=2)
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in partial.named_parameters()]
     x = torch.randn(2, 5, 4)
     plain(x).pow(2).mean().backward()
     partial(x).pow(2).mean().backward()
-    for (n, p), (_, q) in zip(T.adapter_params(plain, "default"), T.adapter_params(partial, "default")):
+    for (n, p), (_, q) in zip(adapter_params(plain, "default"), adapter_params(partial, "default")):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
 
 
@@ -512,21 +518,21 @@ def test_transformer_flops_mfu_and_device_counts(monkeypatch):
     model = SimpleNamespace(forward_flops=lambda n_img, text, refs: calls.append((n_img, text, refs)) or 1e12)
     cond = Conditioning(PromptEmbeds(torch.zeros(2, 5, 3), torch.tensor([[1, 1, 1, 0, 0], [1] * 5])),
                         PromptEmbeds(torch.zeros(2, 2, 3), torch.ones(2, 2)), torch.zeros(2, 16, 8, 6))
-    assert T.transformer_flops(model, cond, height=512, width=256, guided=True) == 2e12
+    assert transformer_flops(model, cond, height=512, width=256, guided=True) == 2e12
     assert calls == [(512, [3, 5], [[12], [12]]), (512, [2, 2], [[12], [12]])]
-    assert T.transformer_flops(model, cond, height=512, width=256, guided=False) == 1e12
+    assert transformer_flops(model, cond, height=512, width=256, guided=False) == 1e12
     timings = {"timing_s/gen": 2.0, "timing_s/update_actor": 4.0}
     phases = {"gen": (8e12, 2), "old_log_prob": (1e12, 1), "update_actor": (6e12, 1)}
-    monkeypatch.delenv(T.PEAK_TFLOPS_ENV, raising=False)
-    assert T.phase_perf_metrics(timings, phases, "cpu") == {"perf/tflop/gen": 8.0, "perf/tflop/update_actor": 6.0}
-    monkeypatch.setenv(T.PEAK_TFLOPS_ENV, "1")  # 1 TFLOP/s
-    metrics = T.phase_perf_metrics(timings, phases, "cpu")
+    monkeypatch.delenv(PEAK_TFLOPS_ENV, raising=False)
+    assert phase_perf_metrics(timings, phases, "cpu") == {"perf/tflop/gen": 8.0, "perf/tflop/update_actor": 6.0}
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "1")  # 1 TFLOP/s
+    metrics = phase_perf_metrics(timings, phases, "cpu")
     assert metrics["perf/mfu/gen"] == pytest.approx(8 / (2 * 2)) and metrics["perf/mfu/update_actor"] == 1.5
     assert "perf/mfu/old_log_prob" not in metrics  # no timing: the phase did not run (bypass)
-    monkeypatch.setenv(T.PEAK_TFLOPS_ENV, "fast")
-    with pytest.raises(ValueError, match=T.PEAK_TFLOPS_ENV):
-        T.device_peak_flops("cpu")
-    assert T.rollout_device_count("colocated") == 1 and T.rollout_device_count("cuda:2,cuda:3") == 2
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "fast")
+    with pytest.raises(ValueError, match=PEAK_TFLOPS_ENV):
+        device_peak_flops("cpu")
+    assert rollout_device_count("colocated") == 1 and rollout_device_count("cuda:2,cuda:3") == 2
 
 
 def test_each_trainers_perf_call_counts_its_forwards(monkeypatch):
@@ -542,7 +548,7 @@ def test_each_trainers_perf_call_counts_its_forwards(monkeypatch):
     args = SimpleNamespace(height=64, width=64, num_inference_steps=10, rollout_devices="cuda:2,cuda:3",
                            ppo_epochs=2, ref_kl_coef=0.1)
     run = SimpleNamespace(model=model, args=args, cfg_scale=4.0, device="cpu")
-    monkeypatch.setenv(T.PEAK_TFLOPS_ENV, "1")
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "1")
     timings = {"timing_s/gen": 10.0, "timing_s/old_log_prob": 1.0, "timing_s/update_actor": 6.0}
     nft = T.nft_perf_metrics(run, cond, timings, num_k=3, train_scale=1.0)
     assert nft["perf/tflop/gen"] == 2 * 10 and nft["perf/mfu/gen"] == pytest.approx(20 / (10 * 2))
@@ -578,14 +584,14 @@ def test_nft_training_cfg_flag_and_qwen_default():
     assert nft.train_cfg == "rollout"  # default: today's behaviour (training forwards guided like the rollout)
     assert train_nft.parse_args(base + ["--train_cfg", "off"]).train_cfg == "off"
     assert not hasattr(nft, "cfg_scale")  # resolved once, by setup_run (preflight), never at parse time
-    nft_scale = lambda family, args: T.resolve_cfg_scale(family, args, defaults.get(family))  # noqa: E731
+    nft_scale = lambda family, args: resolve_cfg_scale(family, args, defaults.get(family))  # noqa: E731
     assert nft_scale("qwen_image", nft) == 1.0  # verl-omni's Qwen-Image NFT recipe: true_cfg_scale = 1.0
     assert nft_scale("boogu_image", nft) == 4.0  # Boogu keeps its released guidance_scale
     assert nft_scale("qwen_image", train_nft.parse_args(base + ["--true_cfg_scale", "3"])) == 3.0
     dppo = train_dppo.parse_args(base)
-    assert T.resolve_cfg_scale("qwen_image", dppo) == 4.0 and dppo.old_log_probs == "recompute"
+    assert resolve_cfg_scale("qwen_image", dppo) == 4.0 and dppo.old_log_probs == "recompute"
     with pytest.raises(ValueError, match="guided by true_cfg_scale"):  # the other family's flag is refused
-        T.resolve_cfg_scale("qwen_image", train_dppo.parse_args(base + ["--guidance_scale", "3"]))
+        resolve_cfg_scale("qwen_image", train_dppo.parse_args(base + ["--guidance_scale", "3"]))
     with pytest.raises(SystemExit):
         train_nft.parse_args(base + ["--train_cfg", "half"])
 
@@ -680,7 +686,7 @@ def test_a_nonfinite_device_loss_skips_the_step_as_the_host_check_does():
         for sync in (True, False):
             weight = torch.nn.Parameter(torch.ones(()))
             opt = torch.optim.AdamW([weight], lr=0.1)
-            stepper = T.GradStepper()
+            stepper = GradStepper()
             loss, metrics = stepper.checked_loss(fn, *args, **kwargs, sync=sync)
             (loss * weight).backward()
             m = stepper.step(opt)

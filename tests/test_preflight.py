@@ -18,6 +18,8 @@ import pytest
 import train_dppo
 import train_nft
 import training as T
+from training.distributed import COLLECTIVE_TIMEOUT_MARGIN_S, collective_timeout_s
+from training.preflight import PreflightError, run_preflight
 from test_rewards import FakeJudge
 from test_trainers import cli, demo_data, run_trainer  # noqa: F401 (fixture)
 
@@ -38,8 +40,8 @@ def flags(demo_data, tiny_models, tmp_path):  # noqa: F811
 
 
 def refused(argv: list[str], match: str, *, world: int = 1, parse=train_dppo.parse_args) -> str:
-    with pytest.raises(T.PreflightError) as info:
-        T.run_preflight(parse(argv), world)
+    with pytest.raises(PreflightError) as info:
+        run_preflight(parse(argv), world)
     assert re.search(match, str(info.value)), str(info.value)
     return str(info.value)
 
@@ -51,7 +53,7 @@ def free_port() -> int:
 
 
 def test_good_flags_pass_and_report(flags):
-    found = T.run_preflight(train_dppo.parse_args(cli(**flags)), 1)
+    found = run_preflight(train_dppo.parse_args(cli(**flags)), 1)
     assert found == {"family": "qwen_image", "cfg_scale": 1.0, "rewards": ["jpeg_compressibility"]}
 
 
@@ -61,11 +63,11 @@ def test_the_cfg_scale_is_resolved_once_with_the_trainers_default(flags):
     import train_nft
 
     unset = {**flags, "true_cfg_scale": None}
-    nft = T.run_preflight(train_nft.parse_args(cli(**unset)), 1, cfg_defaults=train_nft.CFG_SCALE_DEFAULTS)
+    nft = run_preflight(train_nft.parse_args(cli(**unset)), 1, cfg_defaults=train_nft.CFG_SCALE_DEFAULTS)
     assert nft["cfg_scale"] == 1.0
-    assert T.run_preflight(train_dppo.parse_args(cli(**flags, lr=1e-3)), 1)["cfg_scale"] == 1.0
-    assert T.run_preflight(train_dppo.parse_args(cli(**{**flags, "true_cfg_scale": 2.5})), 1)["cfg_scale"] == 2.5
-    assert T.run_preflight(train_dppo.parse_args(cli(**unset)), 1)["cfg_scale"] == 4.0
+    assert run_preflight(train_dppo.parse_args(cli(**flags, lr=1e-3)), 1)["cfg_scale"] == 1.0
+    assert run_preflight(train_dppo.parse_args(cli(**{**flags, "true_cfg_scale": 2.5})), 1)["cfg_scale"] == 2.5
+    assert run_preflight(train_dppo.parse_args(cli(**unset)), 1)["cfg_scale"] == 4.0
     refused(cli(**unset, guidance_scale=4.0), r"--model_path .*qwen_image is guided by true_cfg_scale; guidance_scale")
 
 
@@ -85,8 +87,8 @@ def test_bad_flags_and_sizes_are_refused(flags):
     refused(cli(**flags, device="cuda", base_weights_dtype="fp32"), r"--base_weights_dtype fp32 with one trainer rank "
             r"and --fsdp auto.*--base_weights_dtype compute .*or --fsdp always")
     for ok in (dict(device="cuda", fsdp="always"), dict(device="cpu")):  # FSDP2 casts it; a CPU computes in fp32
-        T.run_preflight(train_dppo.parse_args(cli(**flags, base_weights_dtype="fp32", **ok)), 1)
-    T.run_preflight(train_dppo.parse_args(cli(**flags, device="cuda", base_weights_dtype="fp32")), 2)  # FSDP2
+        run_preflight(train_dppo.parse_args(cli(**flags, base_weights_dtype="fp32", **ok)), 1)
+    run_preflight(train_dppo.parse_args(cli(**flags, device="cuda", base_weights_dtype="fp32")), 2)  # FSDP2
 
 
 def test_bad_dataset_rows_are_refused(flags, tmp_path):
@@ -140,7 +142,7 @@ def test_the_judge_is_probed_once_when_an_ocr_reward_is_scored(flags, tmp_path):
             rf"http://127.0.0.1:{port}/v1/chat/completions failed 1 attempt")
     assert time.monotonic() - start < 5
     with FakeJudge(reply="") as judge:  # reads the probe's word (and nothing else)
-        found = T.run_preflight(train_dppo.parse_args(argv + ["--genrm_url", judge.url]), 1)
+        found = run_preflight(train_dppo.parse_args(argv + ["--genrm_url", judge.url]), 1)
     assert found["rewards"] == ["ocr"] and found["judge_probe_s"] < 5 and len(judge.requests) == 1
     with FakeJudge(behaviours=["no_content"]) as judge:
         refused(argv + ["--genrm_url", judge.url], r"did not answer a start-up probe.*not a transcription")
@@ -179,13 +181,13 @@ def test_collective_timeouts_outlast_every_phase_timeout(monkeypatch):
     base = ["--model_path", "m", "--train_files", "t"]
     args = train_nft.parse_args(base)
     assert (args.rollout_timeout_s, args.rollout_startup_timeout_s) == (3600.0, 1800.0)
-    seconds = T.collective_timeout_s(args)
-    assert seconds == 3600.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
+    seconds = collective_timeout_s(args)
+    assert seconds == 3600.0 + COLLECTIVE_TIMEOUT_MARGIN_S
     # a judge request may take (retries + 1) x --genrm_timeout_s + the backoffs 1 + 2 + 4 s, plus the
     # --genrm_retry_total_s (120 s) an unreachable judge is retried for and one more attempt's deadline
-    assert T.collective_timeout_s(train_nft.parse_args(base + ["--genrm_timeout_s", "1200"])) == \
-        4 * 1200.0 + 7.0 + 120.0 + 1200.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
-    assert T.collective_timeout_s(train_nft.parse_args(base + ["--collective_timeout_s", "4000"])) == 4000.0
+    assert collective_timeout_s(train_nft.parse_args(base + ["--genrm_timeout_s", "1200"])) == \
+        4 * 1200.0 + 7.0 + 120.0 + 1200.0 + COLLECTIVE_TIMEOUT_MARGIN_S
+    assert collective_timeout_s(train_nft.parse_args(base + ["--collective_timeout_s", "4000"])) == 4000.0
     monkeypatch.setattr(rollout, "RolloutGroup", lambda *a, **kw: object())  # the subgroup only, no workers
     T.init_distributed("cpu", timeout_s=seconds)
     try:
@@ -247,17 +249,17 @@ def test_the_collective_timeout_counts_the_judge_only_when_the_run_scores_it(fla
     whose rewards include no HTTP judge; the budget counts when the rows or --reward_weights score `ocr`."""
     short = dict(rollout_timeout_s=600, rollout_startup_timeout_s=600, collective_timeout_s=700)
     jpeg = train_dppo.parse_args(cli(**flags, **short))
-    assert T.collective_timeout_s(jpeg) == 700.0
-    assert T.collective_timeout_s(train_dppo.parse_args(cli(**flags, **{**short, "collective_timeout_s": 0}))) == \
-        600.0 + T.COLLECTIVE_TIMEOUT_MARGIN_S
+    assert collective_timeout_s(jpeg) == 700.0
+    assert collective_timeout_s(train_dppo.parse_args(cli(**flags, **{**short, "collective_timeout_s": 0}))) == \
+        600.0 + COLLECTIVE_TIMEOUT_MARGIN_S
     ocr = rewrite(flags["train_files"], tmp_path / "ocr.parquet",
                   lambda rows: [row.update(data_source="ocr") for row in rows])
     for judged in (cli(**{**flags, "train_files": ocr}, **short),
                    cli(**flags, **short, reward_weights="jpeg_compressibility=1,ocr=0.5")):
         with pytest.raises(ValueError, match=r"--collective_timeout_s 700 is not above a judge request .* \(727 s\)"):
-            T.collective_timeout_s(train_dppo.parse_args(judged))
-    assert T.collective_timeout_s(train_dppo.parse_args(cli(**{**flags, "train_files": ocr}, **short,
-                                                            ocr_backend="rapidocr"))) == 700.0
+            collective_timeout_s(train_dppo.parse_args(judged))
+    assert collective_timeout_s(train_dppo.parse_args(cli(**{**flags, "train_files": ocr}, **short,
+                                                          ocr_backend="rapidocr"))) == 700.0
 
 
 @pytest.mark.slow  # one training step through the real trainer CLI (~30 s)

@@ -393,7 +393,7 @@ def test_write_datasets_in_the_project_schema(tmp_path):
 
     from data_prep.common import T2I_SCHEMA
     from data_prep.dataset import PromptDataset
-    from data_prep.prompts import QWEN_IMAGE_SYSTEM_PROMPT
+    from models.qwen_image import QWEN_IMAGE_SYSTEM_PROMPT
 
     words = pom.vocabulary(6)
     counts = pom.write_datasets(tmp_path, words)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import training as T
+from training.profiling import ProfileWindow, format_profile_table
 from engines.profiler import load_trace, step_profiler
 from training.profiling import profile_table
 
@@ -81,7 +82,7 @@ def test_table_of_a_tiny_cpu_run(tmp_path):
     top = [k for k in table.kernels if k.phase == "matmuls"][0]
     assert (top.name, top.count) == ("aten::mm", 5) and top.share > 0.5
     assert all(0 <= r.idle_ms <= r.wall_ms for r in table.phases)
-    text = T.format_profile_table(table)
+    text = format_profile_table(table)
     assert "top CPU op (self time)s in matmuls:" in text and "aten::mm" in text
 
 
@@ -119,7 +120,7 @@ def test_memory_copies_counted_per_phase_with_what_issued_them():
                       ("timing_s/update_window", "-", 1)]
     step = [(r.annotation, r.op, r.count) for r in table.memcpy_launchers if r.phase == "step"]
     assert ("timing_s/profiled_step", "aten::mm", 1) in step
-    text = T.format_profile_table(table)
+    text = format_profile_table(table)
     assert "memory copies in update_window issued by" in text and "3x  FSDP::pre_forward (transformer_blocks.N)" in text
 
 
@@ -129,7 +130,7 @@ def test_profile_window_records_its_micro_steps_and_stops(tmp_path):
     outside a recording do nothing; K = 0 records until `stop`."""
     a = torch.randn(64, 64)
     path = str(tmp_path / "trainer.json.gz")
-    window = T.ProfileWindow(path, micro_steps=3, cuda=False)
+    window = ProfileWindow(path, micro_steps=3, cuda=False)
     window.tick()  # not recording: ignored
     assert not window.recording
     window.start()
@@ -144,7 +145,7 @@ def test_profile_window_records_its_micro_steps_and_stops(tmp_path):
     assert set(rows) == {"step", "update_window"}
     counts = {(k.phase, k.name): k.count for k in table.kernels}
     assert counts[("update_window", "aten::mm")] == 3 and counts[("step", "aten::mm")] == 4
-    whole = T.ProfileWindow(str(tmp_path / "whole.json.gz"), micro_steps=0, cuda=False)
+    whole = ProfileWindow(str(tmp_path / "whole.json.gz"), micro_steps=0, cuda=False)
     whole.start()
     for _ in range(5):
         whole.tick()
@@ -154,7 +155,7 @@ def test_profile_window_records_its_micro_steps_and_stops(tmp_path):
     table = profile_table(load_trace(str(tmp_path / "whole.json.gz")), device="cpu")
     assert [(k.phase, k.name, k.count) for k in table.kernels if k.name == "aten::mm"] == [("step", "aten::mm", 5)]
     with pytest.raises(ValueError, match="profile_micro_steps"):
-        T.ProfileWindow(path, micro_steps=-1, cuda=False)
+        ProfileWindow(path, micro_steps=-1, cuda=False)
 
 
 def test_attention_backend_math_keeps_the_numbers():

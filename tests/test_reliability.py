@@ -23,6 +23,10 @@ import rollout
 import train_dppo
 import train_nft
 import training as T
+from training.checkpoint import MARKER
+from training.optim import GradStepper
+from training.preflight import run_preflight
+from training.scoring import RewardStream, nonfinite_rows, score_finite
 from models import lora
 from test_preflight import flags, refused, rewrite  # noqa: F401 (fixture)
 from test_trainers import REPO, cli, demo_data  # noqa: F401 (fixture)
@@ -52,7 +56,7 @@ def write_checkpoint_with_adapter(root) -> str:
     from training.checkpoint import _manifest
 
     manifest = _manifest(ckpt, 1)
-    with open(os.path.join(ckpt, T.MARKER), "w") as f:
+    with open(os.path.join(ckpt, MARKER), "w") as f:
         json.dump(manifest, f)
     return ckpt
 
@@ -124,7 +128,7 @@ def test_non_finite_rollout_samples_are_never_scored_and_skip_the_step():
     result.latents_clean[1, 0, 2] = float("nan")
     result.all_log_probs = torch.zeros(4, 2)
     result.all_log_probs[3, 1] = float("inf")
-    assert T.nonfinite_rows(result) == [1, 3]
+    assert nonfinite_rows(result) == [1, 3]
 
     class Recording(R.RewardScorer):
         def __init__(self, by_chunk: bool = True):
@@ -141,14 +145,14 @@ def test_non_finite_rollout_samples_are_never_scored_and_skip_the_step():
     scorer = Recording()
     inputs = {"ground_truths": ["a", "b", "c", "d"], "data_sources": ["jpeg_compressibility"] * 4,
               "extra_infos": [None] * 4}
-    scored = T.score_finite(scorer, result.images, inputs, T.nonfinite_rows(result))
+    scored = score_finite(scorer, result.images, inputs, nonfinite_rows(result))
     assert scorer.seen == [["a", "c"]]  # the non-finite samples never reached the reward
     assert torch.isnan(scored.rewards[[1, 3]]).all()  # NaN: left out of the reward statistics, never a 0.0
     assert torch.isnan(scored.extras["reward/jpeg_compressibility"][[1, 3]]).all()
     # the overlapped path (RewardStream on the node's driver) skips them too, chunk by chunk or per rank
     for by_chunk in (True, False):
         scorer = Recording(by_chunk)
-        stream = T.RewardStream(scorer, [inputs], [4])
+        stream = RewardStream(scorer, [inputs], [4])
         stream.on_chunk(2, result.select([2, 3]))
         stream.on_chunk(0, result.select([0, 1]))
         (streamed,) = stream.finish()
@@ -159,7 +163,7 @@ def test_non_finite_rollout_samples_are_never_scored_and_skip_the_step():
 
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=0.1)
-    stepper = T.GradStepper(1.0)
+    stepper = GradStepper(1.0)
     stepper.reject_batch("2 non-finite rollout sample(s) (NaN/inf latents; not scored)")
     for _ in range(2):  # every mini-batch of the step
         param.grad = torch.ones(3)
@@ -177,8 +181,8 @@ def test_model_free_refusals_come_at_preflight(flags, tmp_path, monkeypatch):  #
     refused(cli(**flags, rollout_n=1, train_batch_size=2), r"--rollout_n 1", parse=train_nft.parse_args)
     refused(cli(**flags, reward_weights="jpeg_compressibility=-1"),
             r"jpeg_compressibility=-1 is negative.*--allow_negative_reward_weights")
-    T.run_preflight(train_dppo.parse_args(cli(**flags, reward_weights="jpeg_compressibility=-1") +
-                                          ["--allow_negative_reward_weights"]), 1)
+    run_preflight(train_dppo.parse_args(cli(**flags, reward_weights="jpeg_compressibility=-1") +
+                                        ["--allow_negative_reward_weights"]), 1)
     small = rewrite(flags["train_files"], tmp_path / "small.parquet", lambda rows: rows.__delitem__(slice(3, None)))
     refused(cli(**{**flags, "train_files": small}, train_batch_size=4, rollout_n=2, micro_batch_size=2),
             rf"--train_files {re.escape(small)}: 3 row\(s\), fewer than --train_batch_size 4 .*at most 3")
@@ -198,11 +202,11 @@ def test_prompts_beyond_the_text_encoder_length_are_counted(flags, tmp_path):  #
         rows[2]["prompt"][-1]["content"] = "grand opening " * 400  # ~800 tokens
 
     long = rewrite(flags["train_files"], tmp_path / "long.parquet", lengthen)
-    found = T.run_preflight(train_dppo.parse_args(cli(**{**flags, "train_files": long}, max_sequence_length=256)), 1)
+    found = run_preflight(train_dppo.parse_args(cli(**{**flags, "train_files": long}, max_sequence_length=256)), 1)
     cut = found["truncated_prompts"]
     assert cut["count"] == 1 and cut["rows"] == ["--train_files row 2"] and cut["longest"] > 256
     assert cut["total"] == len(pq.read_table(long)) + len(pq.read_table(flags["val_files"]))
-    assert "truncated_prompts" not in T.run_preflight(train_dppo.parse_args(cli(**flags)), 1)
+    assert "truncated_prompts" not in run_preflight(train_dppo.parse_args(cli(**flags)), 1)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from test_trainers import REPO, cli, demo_data, free_port, run_trainer, scalars, values  # noqa: F401 (fixture)
 
-import training as T
+from training.checkpoint import find_latest, verify_checkpoint
 
 # whole trainer runs with injected faults (minutes each on 2 cores): the slow stage (`python3 -m pytest -m slow`)
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_crash_between_checkpoints_then_resume_with_moved_data_new_flags_and_ctr
     crash.wait_for("step 5/6")
     crash.crash_rank()
     assert crash.finish() != 0
-    assert T.find_latest(str(out / "checkpoints")).endswith("step_00000003")
+    assert find_latest(str(out / "checkpoints")).endswith("step_00000003")
     assert {"v00000004", "v00000005"} <= set(os.listdir(out / "rollout_adapters"))
     crashed = dict(scalars(out)["critic/rewards/mean"])  # flushed every step: the crash lost no logged step
     assert sorted(crashed) == [1, 2, 3, 4, 5]
@@ -140,7 +140,7 @@ def test_crash_between_checkpoints_then_resume_with_moved_data_new_flags_and_ctr
     stopped, checkpoint = int(stop.group(1)), stop.group(2)
     assert stopped in (4, 5) and checkpoint == f"{out}/checkpoints/step_{stopped:08d}"  # the step it was in
     assert f"saved checkpoint {checkpoint}" in text
-    T.verify_checkpoint(checkpoint)
+    verify_checkpoint(checkpoint)
     assert "rollout worker" not in text  # the worker ignored the Ctrl-C and was closed by the trainer
     # TensorBoard holds each step once (purge_step), and the resumed steps continue the crashed run
     after = scalars(out)["critic/rewards/mean"]

@@ -431,7 +431,8 @@ def test_genrm_http_trickling_judge_is_cut_at_the_deadline(where):
 def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted(tmp_path):
     """"" and whitespace replies score as empty transcriptions (0 against a target, 1 against an empty target), are
     flagged per sample and reach the trainers' metrics as critic/reward/ocr/empty_reply_frac; the replies are kept."""
-    import training as T
+    from training.logs import reward_metrics
+    from training.scoring import JUDGE_LOG, judge_records, log_judge_replies
 
     with FakeJudge(reply=["", "Grand Opening", " \n\t", ""]) as judge:
         scorer = http_scorer(judge.url, genrm_concurrency=1)
@@ -440,8 +441,8 @@ def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted(tmp_path):
     assert res.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
     assert res.extras[R.OCR_EMPTY_REPLY].tolist() == [1.0, 0.0, 1.0, 1.0]
     assert res.texts["ocr/response"] == ["", "Grand Opening", " \n\t", ""]
-    metrics = T.reward_metrics(res.rewards, [0, 0, 1, 1],
-                               extras={k: v.tolist() for k, v in res.extras.items()})
+    metrics = reward_metrics(res.rewards, [0, 0, 1, 1],
+                             extras={k: v.tolist() for k, v in res.extras.items()})
     assert metrics["critic/reward/ocr/empty_reply_frac"] == 0.75
     assert "critic/reward/ocr/empty_reply_frac/mean" not in metrics
     assert metrics["critic/reward/ocr/mean"] == 0.5
@@ -449,11 +450,11 @@ def test_genrm_http_empty_reply_is_an_empty_transcription_and_counted(tmp_path):
     from types import SimpleNamespace
     rows = [SimpleNamespace(index=7, data_source="ocr", ground_truth="Grand Opening"),
             SimpleNamespace(index=9, data_source="ocr", ground_truth="OPEN")]
-    records = T.judge_records(rows, 2, res, phase="train", step=3)
+    records = judge_records(rows, 2, res, phase="train", step=3)
     out = tmp_path / "run"
     out.mkdir()
-    T.log_judge_replies(str(out), records)
-    lines = [json.loads(line) for line in (out / T.JUDGE_LOG).read_text().splitlines()]
+    log_judge_replies(str(out), records)
+    lines = [json.loads(line) for line in (out / JUDGE_LOG).read_text().splitlines()]
     assert [(r["row"], r["sample"], r["ocr/response"], r["reward"]) for r in lines] == [
         (7, 0, "", 0.0), (7, 1, "Grand Opening", 1.0), (9, 2, " \n\t", 0.0), (9, 3, "", 1.0)]
     assert all(r["phase"] == "train" and r["step"] == 3 for r in lines)

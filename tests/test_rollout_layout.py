@@ -13,6 +13,9 @@ import torch
 import rewards
 import rollout
 import training as T
+from training.adapters import publish_tensors
+from training.data import PromptSampler
+from training.scoring import RewardStream
 from engines import layout
 from models import load_model, lora
 from rollout import RolloutError, RolloutRequest, RolloutResult
@@ -128,7 +131,7 @@ def test_lagged_rollout_needs_its_own_gpus(monkeypatch):
 
 
 def test_peek_batch_leaves_the_sampler_where_it_was():
-    sampler = T.PromptSampler(10, 4, seed=1)
+    sampler = PromptSampler(10, 4, seed=1)
     sampler.next_batch()
     state = sampler.state_dict()
     peeked = T.peek_batch(sampler)
@@ -201,7 +204,7 @@ def test_streamed_chunks_scored_while_sampling_equal_scoring_afterwards(client):
     sources = ["jpeg_compressibility", "jpeg_incompressibility", "jpeg_compressibility", "jpeg_compressibility"]
     payloads = score_payloads(request, 2, sources)
     scorer = CallLog(jpeg_scorer())
-    stream = T.RewardStream(scorer, payloads, [2, 2])
+    stream = RewardStream(scorer, payloads, [2, 2])
     chunks = []
     pending = client.group.submit(request, on_chunk=lambda row, part: (chunks.append((row, len(part))),
                                                                       stream.on_chunk(row, part)))
@@ -225,7 +228,7 @@ def test_batch_dependent_rewards_score_each_rank_in_one_call(client):
     request = ode_request()
     payloads = score_payloads(request, 2, ["jpeg_compressibility"] * 4)
     scorer = CallLog(jpeg_scorer(), row_independent=False)
-    stream = T.RewardStream(scorer, payloads, [2, 2])
+    stream = RewardStream(scorer, payloads, [2, 2])
     result = client.group.submit(request, on_chunk=stream.on_chunk).wait()
     per_rank = stream.finish()
     stream.close()
@@ -245,7 +248,7 @@ def test_a_failing_reward_is_an_error_not_a_zero():
     scorer = rewards.RewardScorer(rewards.RewardConfig(genrm_url=f"http://127.0.0.1:{port}", genrm_max_retries=0,
                                                        genrm_timeout_s=5))
     payloads = [{"ground_truths": ["OPEN", "OPEN"], "data_sources": ["ocr", "ocr"], "extra_infos": [{}, {}]}]
-    stream = T.RewardStream(scorer, payloads, [2])
+    stream = RewardStream(scorer, payloads, [2])
     part = RolloutResult(images=torch.zeros(1, 3, 32, 32, dtype=torch.uint8), latents_clean=torch.zeros(1, 4),
                          prompt_embeds=torch.zeros(1, 1, 2), prompt_mask=torch.ones(1, 1, dtype=torch.long),
                          seeds=[0], metadata={"family": "f"})
@@ -266,10 +269,10 @@ def test_submit_collect_scores_and_reports_the_policy_lag(client, actor, tmp_pat
     lora.write_adapter_dir(tensors, config, adapter_dir)
     request = ode_request(step=2)
     payload = {"ground_truths": [""] * 4, "data_sources": ["jpeg_compressibility"] * 4, "extra_infos": [{}] * 4}
-    consumer = lambda payloads, sizes: T.RewardStream(jpeg_scorer(), payloads, sizes)  # noqa: E731
+    consumer = lambda payloads, sizes: RewardStream(jpeg_scorer(), payloads, sizes)  # noqa: E731
 
     first = [t * 3 if ".lora_B." in key else t for key, t in tensors.items()]
-    T.publish_tensors(client, layout, first, config, "first")
+    publish_tensors(client, layout, first, config, "first")
     with_first = client.generate(request)
     client.submit(request, payload=payload, consumer=consumer)
     assert client.has_pending
@@ -306,11 +309,11 @@ def test_tensor_sync_equals_disk_sync_and_refuses_wrong_tensor_sets(client, acto
     from_disk = client.generate(request)
 
     other = [t * 2 if ".lora_B." in key else t for key, t in tensors.items()]
-    assert T.publish_tensors(client, layout, other, config, "other") == [n_modules]
+    assert publish_tensors(client, layout, other, config, "other") == [n_modules]
     from_other = client.generate(request)
     assert not torch.equal(from_other.latents_clean, from_disk.latents_clean)
 
-    assert T.publish_tensors(client, layout, list(tensors.values()), config, "tensors") == [n_modules]
+    assert publish_tensors(client, layout, list(tensors.values()), config, "tensors") == [n_modules]
     from_tensors = client.generate(request)
     assert from_tensors.metadata["adapter_version"] == "tensors"
     assert torch.equal(from_tensors.latents_clean, from_disk.latents_clean)
@@ -319,13 +322,13 @@ def test_tensor_sync_equals_disk_sync_and_refuses_wrong_tensor_sets(client, acto
     key = next(iter(tensors))
     extra = layout + [(key.replace("transformer_blocks.0.", "transformer_blocks.99."), tuple(tensors[key].shape))]
     with pytest.raises(RolloutError, match="bind to no LoRA module"):
-        T.publish_tensors(client, extra, list(tensors.values()) + [tensors[key]], config, "bad")
+        publish_tensors(client, extra, list(tensors.values()) + [tensors[key]], config, "bad")
     missing = [(k, s) for k, s in layout if not k.startswith(key.rsplit(".lora_", 1)[0] + ".")]
     with pytest.raises(RolloutError, match="get no tensor"):
-        T.publish_tensors(client, missing, [tensors[k] for k, _ in missing], config, "bad")
+        publish_tensors(client, missing, [tensors[k] for k, _ in missing], config, "bad")
     wide = {k: torch.cat([t, t], dim=0 if ".lora_A." in k else 1) for k, t in tensors.items()}  # rank 8, not 4
     with pytest.raises(RolloutError, match="do not match the model's"):
-        T.publish_tensors(client, [(k, tuple(t.shape)) for k, t in wide.items()], list(wide.values()), config, "bad")
+        publish_tensors(client, [(k, tuple(t.shape)) for k, t in wide.items()], list(wide.values()), config, "bad")
     with pytest.raises(RolloutError, match="cannot be opened by this worker's torch"):
         client.group._call_all([{"op": "load_adapter_tensors", "version": "bad", "config": config, "layout": [],
                                  "source": {"kind": "cuda_ipc", "numel": 0, "device": 0},

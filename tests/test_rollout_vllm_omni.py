@@ -15,7 +15,8 @@ import torch
 
 from engines import sampler, vllm_omni, worker
 from models import lora
-from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT, QWEN_IMAGE_SYSTEM_PROMPT
+from models.boogu_image import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
+from models.qwen_image import QWEN_IMAGE_SYSTEM_PROMPT
 from rollout import RolloutRequest
 
 torch.set_num_threads(1)

@@ -75,13 +75,13 @@ def nft_run(tiny_models, tmp_path_factory):
 
 @pytest.mark.slow  # the module fixture `nft_run` is a whole trainer run
 def test_nft_run_log_grid_and_checkpoint(nft_run):
-    import training as T
+    from training.logs import LOG_FILE
     from models import lora
 
     out, proc = nft_run["out"], nft_run["proc"]
-    log = (out / T.LOG_FILE).read_text()
+    log = (out / LOG_FILE).read_text()
     for line in ("step 1/1", "validation @ step 1", "init adapter: 'default' starts from"):
-        assert line in log, f"{line!r} missing from {T.LOG_FILE}:\n{log}"
+        assert line in log, f"{line!r} missing from {LOG_FILE}:\n{log}"
     assert "Warning" not in log and "Warning" not in proc.stderr, proc.stderr[-3000:]  # nothing avoidable
     assert val_grid(out).width == 4 * 64  # --num_val_images 4 of the 4 validated prompts
     ckpt = out / "checkpoints" / "step_00000001"

@@ -19,7 +19,8 @@ import sys
 import pytest
 import torch
 
-import training as T
+from training.distributed import RankFailed
+from training.logs import Progress, log_only, reward_metrics, tee_console
 from test_trainers import REPO, cli, demo_data, free_port  # noqa: F401 (fixture)
 from trainer_runs import scalars
 
@@ -85,7 +86,7 @@ def test_a_full_disk_is_recognised_in_every_form_it_reaches_the_report(tmp_path)
     except RuntimeError as e:
         chained = e
     for error in (enospc, chained, OSError(errno.EDQUOT, "Disk quota exceeded"),
-                  T.RankFailed("save_checkpoint(x) failed on rank 0: OSError: [Errno 28] No space left on device"),
+                  RankFailed("save_checkpoint(x) failed on rank 0: OSError: [Errno 28] No space left on device"),
                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 53312 vs 53204")):
         assert is_disk_full(error), error
     line = disk_full_line(chained, "/nonexistent")
@@ -112,10 +113,10 @@ def test_the_console_log_survives_a_full_disk(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stderr", sys.stderr)
     monkeypatch.setattr(logs, "launch_rank", lambda: 0)
     monkeypatch.setattr(logs, "open", lambda *a, **kw: FullDisk(), raising=False)
-    T.tee_console(str(tmp_path))
+    tee_console(str(tmp_path))
     print("step 1/2 | after the disk filled up")
     print("step 2/2 | still on the console")
-    assert T.log_only("Traceback (most recent call last): ...") is None
+    assert log_only("Traceback (most recent call last): ...") is None
     captured = capsys.readouterr()
     assert "step 1/2 | after the disk filled up\nstep 2/2 | still on the console\n" in captured.out
     warnings = [line for line in captured.err.splitlines() if "WARNING: the console log" in line]
@@ -135,12 +136,12 @@ def test_reward_stats_are_over_the_scored_samples_and_nan_without_any():
     NaN, printed `n/a` on the console."""
     uids = [0, 0, 1, 1]
     nan = float("nan")
-    out = T.reward_metrics(torch.tensor([1.0, 3.0, nan, nan]), uids)
+    out = reward_metrics(torch.tensor([1.0, 3.0, nan, nan]), uids)
     assert out["critic/rewards/mean"] == 2.0 and out["critic/rewards/min"] == 1.0  # the unscored samples left out
-    none = T.reward_metrics(torch.tensor([nan] * 4), uids)
+    none = reward_metrics(torch.tensor([nan] * 4), uids)
     assert all(math.isnan(none[f"critic/rewards/{k}"]) for k in ("mean", "max", "min", "std_mean", "zero_std_ratio"))
-    assert T.Progress(3).line(2, 1.0, none).endswith("| rewards/mean n/a")
-    assert T.Progress(3).line(2, 1.0, out).endswith("| rewards/mean 2")
+    assert Progress(3).line(2, 1.0, none).endswith("| rewards/mean n/a")
+    assert Progress(3).line(2, 1.0, out).endswith("| rewards/mean 2")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def val_grid(run_dir):
 
 
 def test_nft_boogu_t2i_end_to_end_and_checkpoint(demo_data, tiny_models, tmp_path):
-    from training import find_latest
+    from training.checkpoint import find_latest
 
     out = tmp_path / "nft"
     data = demo_data["boogu_image"]

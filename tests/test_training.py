@@ -27,7 +27,23 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
-from training.model import full_tensor  # noqa: E402
+from training.adapters import clean_rollout_adapters, prune_rollout_adapters  # noqa: E402
+from training.checkpoint import (CHECKPOINT_FORMAT, find_latest, load_checkpoint, save_checkpoint,  # noqa: E402
+                                 verify_checkpoint)
+from training.data import PromptSampler  # noqa: E402
+from training.distributed import (all_gather_cat, get_rank, get_world_size, is_local_main_process,  # noqa: E402
+                                  is_main_process, seed_everything)
+from training.logs import (Progress, TensorBoardLogger, reward_metrics, validation_metrics,  # noqa: E402
+                           write_run_metadata)
+from training.model import (adapter_params, adapter_state_dict, add_lora_adapters,  # noqa: E402
+                            apply_activation_checkpointing, full_tensor, mixed_precision_policy, prepare_transformer,
+                            shard_transformer)
+from training.optim import GradStepper, build_optimizer, ema_adapter_  # noqa: E402
+from training.perf import perf_metrics  # noqa: E402
+from training.resume import prepare_resume  # noqa: E402
+from training.resume_policy import (RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, config_fingerprint,  # noqa: E402
+                                    content_fingerprints, sha256_file)
+from training.lifecycle import StopSignals  # noqa: E402
 from models import lora  # noqa: E402
 from models.base import transformer_blocks  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
@@ -59,19 +75,19 @@ def make_model(lora_seed: int = 1, adapters=("default", "old"), shard: bool = Tr
     torch.manual_seed(0)
     model = TinyFlowTransformer()
     torch.manual_seed(lora_seed)
-    cfg = T.add_lora_adapters(model, target_modules=TARGETS, rank=rank, alpha=2.0 * rank, adapter_names=adapters,
-                              block_prefixes=BLOCK_PREFIXES)
+    cfg = add_lora_adapters(model, target_modules=TARGETS, rank=rank, alpha=2.0 * rank, adapter_names=adapters,
+                            block_prefixes=BLOCK_PREFIXES)
     with torch.no_grad():
         for name in adapters:
-            for _, p in T.adapter_params(model, name):
+            for _, p in adapter_params(model, name):
                 p.normal_(0, 0.2)
     if shard:
-        T.shard_transformer(model, BLOCK_PREFIXES)
+        shard_transformer(model, BLOCK_PREFIXES)
     return model, cfg
 
 
 def full_params(model, adapter):
-    return T.adapter_state_dict(model, adapter)
+    return adapter_state_dict(model, adapter)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,24 +99,24 @@ def test_init_distributed_single_process(one_process_group):
     info = one_process_group
     assert (info.rank, info.world_size, info.local_rank, info.backend) == (0, 1, 0, "gloo")
     assert info.is_main and info.is_local_main and info.node_rank == 0
-    assert T.get_rank() == 0 and T.get_world_size() == 1 and T.is_main_process() and T.is_local_main_process()
+    assert get_rank() == 0 and get_world_size() == 1 and is_main_process() and is_local_main_process()
     assert T.init_distributed("cpu") == info  # idempotent
 
 
 def test_all_gather_cat_single_process():
     t = torch.arange(6.0).reshape(3, 2)
-    assert torch.equal(T.all_gather_cat(t), t)
+    assert torch.equal(all_gather_cat(t), t)
 
 
 def test_seed_everything_reproducible():
-    T.seed_everything(5)
+    seed_everything(5)
     a = (random.random(), np.random.rand(), torch.rand(()).item())
-    T.seed_everything(5)
+    seed_everything(5)
     b = (random.random(), np.random.rand(), torch.rand(()).item())
-    T.seed_everything(6)
+    seed_everything(6)
     c = (random.random(), np.random.rand(), torch.rand(()).item())
     assert a == b and a != c
-    assert T.seed_everything(5, per_rank=True) == 5  # + rank 0
+    assert seed_everything(5, per_rank=True) == 5  # + rank 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,14 +126,14 @@ def test_seed_everything_reproducible():
 
 def test_lora_layout_and_trainable_set():
     model, cfg = make_model(shard=False)
-    default = [n for n, _ in T.adapter_params(model, "default")]
-    old = [n for n, _ in T.adapter_params(model, "old")]
+    default = [n for n, _ in adapter_params(model, "default")]
+    old = [n for n, _ in adapter_params(model, "old")]
     # 3 blocks x 2 targets x (A, B)
     assert len(default) == len(old) == 12
     assert "blocks.0.to_q.lora_A.default.weight" in default and "blocks.2.ff.lora_B.old.weight" in old
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(default)
-    assert all(p.dtype == torch.float32 for _, p in T.adapter_params(model, "old"))
+    assert all(p.dtype == torch.float32 for _, p in adapter_params(model, "old"))
     assert cfg.r == 3 and cfg.lora_alpha == 6.0
     assert sorted(full_params(model, "default"))[0] == "blocks.0.ff.lora_A.weight"
 
@@ -125,11 +141,11 @@ def test_lora_layout_and_trainable_set():
 def test_lora_binding_fails_closed():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="bind no module"):
-        T.add_lora_adapters(TinyFlowTransformer(), target_modules=("to_q", "to_qq"), rank=2, alpha=2,
-                            block_prefixes=BLOCK_PREFIXES)
+        add_lora_adapters(TinyFlowTransformer(), target_modules=("to_q", "to_qq"), rank=2, alpha=2,
+                          block_prefixes=BLOCK_PREFIXES)
     with pytest.raises(ValueError, match="outside the transformer blocks"):
-        T.add_lora_adapters(TinyFlowTransformer(), target_modules=("to_q", "proj_in"), rank=2, alpha=2,
-                            block_prefixes=BLOCK_PREFIXES)
+        add_lora_adapters(TinyFlowTransformer(), target_modules=("to_q", "proj_in"), rank=2, alpha=2,
+                          block_prefixes=BLOCK_PREFIXES)
     with pytest.raises(ValueError, match="not a child"):
         transformer_blocks(TinyFlowTransformer(), ("transformer_blocks",))
 
@@ -167,8 +183,8 @@ def test_nft_forward_pattern_with_checkpointing_and_fsdp():
     equal those of a plain model that only ran the policy forward."""
     plain, _ = make_model(shard=False)
     ck, _ = make_model(shard=False)
-    T.apply_activation_checkpointing(ck, BLOCK_PREFIXES)
-    T.shard_transformer(ck, BLOCK_PREFIXES)
+    apply_activation_checkpointing(ck, BLOCK_PREFIXES)
+    shard_transformer(ck, BLOCK_PREFIXES)
     x = torch.randn(2, 5, 4)
     plain(x).pow(2).mean().backward()
     loss = ck(x).pow(2).mean()
@@ -178,21 +194,21 @@ def test_nft_forward_pattern_with_checkpointing_and_fsdp():
         with lora.lora_disabled(ck):
             ck(x)
     loss.backward()
-    for (n, p), (_, q) in zip(T.adapter_params(plain, "default"), T.adapter_params(ck, "default")):
+    for (n, p), (_, q) in zip(adapter_params(plain, "default"), adapter_params(ck, "default")):
         torch.testing.assert_close(full_tensor(q.grad), p.grad, rtol=1e-6, atol=1e-7, msg=n)
-    assert all(q.grad is None for _, q in T.adapter_params(ck, "old"))
+    assert all(q.grad is None for _, q in adapter_params(ck, "old"))
 
 
 def test_activation_checkpointing_keeps_names_and_grads():
     ref, _ = make_model(shard=False)
     ck, _ = make_model(shard=False)
     names = [n for n, _ in ck.named_parameters()]
-    assert T.apply_activation_checkpointing(ck, BLOCK_PREFIXES) == 3
+    assert apply_activation_checkpointing(ck, BLOCK_PREFIXES) == 3
     assert [n for n, _ in ck.named_parameters()] == names
     x = torch.randn(2, 5, 4)
     ref(x).pow(2).mean().backward()
     ck(x).pow(2).mean().backward()
-    for (n, p), (_, q) in zip(T.adapter_params(ref, "default"), T.adapter_params(ck, "default")):
+    for (n, p), (_, q) in zip(adapter_params(ref, "default"), adapter_params(ck, "default")):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
 
 
@@ -207,13 +223,13 @@ def test_fsdp2_sharded_matches_unsharded():
 
 
 def test_mixed_precision_policy():
-    cpu = T.mixed_precision_policy(torch.device("cpu"), "bf16")
+    cpu = mixed_precision_policy(torch.device("cpu"), "bf16")
     assert cpu.param_dtype is None and cpu.reduce_dtype is None  # CPU always computes in fp32
-    gpu = T.mixed_precision_policy(torch.device("cuda", 0), "bf16")
+    gpu = mixed_precision_policy(torch.device("cuda", 0), "bf16")
     assert gpu.param_dtype == torch.bfloat16 and gpu.reduce_dtype == torch.float32
-    assert T.mixed_precision_policy(torch.device("cuda", 0), "fp32").param_dtype is None
+    assert mixed_precision_policy(torch.device("cuda", 0), "fp32").param_dtype is None
     with pytest.raises(ValueError, match="precision"):
-        T.mixed_precision_policy(torch.device("cpu"), "fp16")
+        mixed_precision_policy(torch.device("cpu"), "fp16")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,17 +239,17 @@ def test_mixed_precision_policy():
 
 def test_optimizer_covers_default_adapter_only():
     model, _ = make_model()
-    opt = T.build_optimizer(model, lr=1e-3, weight_decay=1e-4)
+    opt = build_optimizer(model, lr=1e-3, weight_decay=1e-4)
     opt_params = {id(p) for g in opt.param_groups for p in g["params"]}
-    assert opt_params == {id(p) for _, p in T.adapter_params(model, "default")}
+    assert opt_params == {id(p) for _, p in adapter_params(model, "default")}
     assert opt.param_groups[0]["weight_decay"] == 1e-4 and opt.param_groups[0]["betas"] == (0.9, 0.999)
     assert not opt.defaults["fused"]  # CPU; fused=True is chosen for CUDA params
 
 
 def test_non_finite_grad_norm_skips_step():
     model, _ = make_model()
-    opt = T.build_optimizer(model, lr=1e-2)
-    stepper = T.GradStepper(max_grad_norm=1.0)
+    opt = build_optimizer(model, lr=1e-2)
+    stepper = GradStepper(max_grad_norm=1.0)
     before = full_params(model, "default")
     x = torch.randn(2, 5, 4)
     x[0, 0, 0] = float("nan")
@@ -243,7 +259,7 @@ def test_non_finite_grad_norm_skips_step():
     after = full_params(model, "default")
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update
     assert not opt.state  # the optimizer never stepped
-    assert all(p.grad is None for _, p in T.adapter_params(model, "default"))  # grads dropped
+    assert all(p.grad is None for _, p in adapter_params(model, "default"))  # grads dropped
     model(torch.randn(2, 5, 4)).pow(2).mean().backward()
     m = stepper.step(opt)
     assert m["actor/step_skipped"] == 0.0 and m["actor/skipped_steps"] == 1.0 and math.isfinite(m["actor/grad_norm"])
@@ -253,15 +269,15 @@ def test_non_finite_grad_norm_skips_step():
 
 def test_grad_norm_clipping_with_dtensor_grads():
     model, _ = make_model()
-    params = [p for _, p in T.adapter_params(model, "default")]
+    params = [p for _, p in adapter_params(model, "default")]
     opt = torch.optim.SGD(params, lr=1.0)  # SGD with lr 1: the update IS the clipped gradient
     model(torch.randn(2, 5, 4)).pow(2).mean().backward()
     expected_norm = math.sqrt(sum(float(full_tensor(p.grad).double().pow(2).sum()) for p in params))
-    before = {n: full_tensor(p.detach()).clone() for n, p in T.adapter_params(model, "default")}
-    m = T.GradStepper(max_grad_norm=1e-3).step(opt)
+    before = {n: full_tensor(p.detach()).clone() for n, p in adapter_params(model, "default")}
+    m = GradStepper(max_grad_norm=1e-3).step(opt)
     assert m["actor/grad_norm"] == pytest.approx(expected_norm, rel=1e-6) and expected_norm > 1e-3
     update = math.sqrt(sum(float((full_tensor(p.detach()) - before[n]).double().pow(2).sum())
-                           for n, p in T.adapter_params(model, "default")))
+                           for n, p in adapter_params(model, "default")))
     assert update == pytest.approx(1e-3, rel=1e-4)
 
 
@@ -270,7 +286,7 @@ def test_old_adapter_copy_and_ema(shard):
     model, _ = make_model(shard=shard)
     d0, o0 = full_params(model, "default"), full_params(model, "old")
     assert any(not torch.equal(d0[k], o0[k]) for k in d0)
-    T.ema_adapter_(model, 0.25)
+    ema_adapter_(model, 0.25)
     o1 = full_params(model, "old")
     for k in d0:
         torch.testing.assert_close(o1[k], 0.25 * o0[k] + 0.75 * d0[k], rtol=0, atol=1e-7)
@@ -332,8 +348,8 @@ def test_old_policy_refresh_follows_schedule():
 
 
 def test_sampler_deterministic_epochs_and_shards():
-    a = T.PromptSampler(10, 4, seed=3)
-    b = T.PromptSampler(10, 4, seed=3)
+    a = PromptSampler(10, 4, seed=3)
+    b = PromptSampler(10, 4, seed=3)
     seq_a = [a.next_batch() for _ in range(5)]
     seq_b = [b.next_batch() for _ in range(5)]
     assert [s.indices for s in seq_a] == [s.indices for s in seq_b]
@@ -341,11 +357,11 @@ def test_sampler_deterministic_epochs_and_shards():
     epoch0 = seq_a[0].indices + seq_a[1].indices
     assert len(set(epoch0)) == 8  # no repeats inside an epoch (tail of 2 dropped)
     assert seq_a[0].indices != seq_a[2].indices  # reshuffled per epoch
-    c = T.PromptSampler(10, 4, seed=4)
+    c = PromptSampler(10, 4, seed=4)
     assert c.next_batch().indices != seq_a[0].indices
-    assert T.PromptSampler(10, 4, seed=3, shuffle=False).next_batch().indices == [0, 1, 2, 3]
+    assert PromptSampler(10, 4, seed=3, shuffle=False).next_batch().indices == [0, 1, 2, 3]
     # sharding: the ranks' local slices partition the global batch, identical global batch on every rank
-    ranks = [T.PromptSampler(12, 6, seed=1, rank=r, world_size=3) for r in range(3)]
+    ranks = [PromptSampler(12, 6, seed=1, rank=r, world_size=3) for r in range(3)]
     for _ in range(3):
         batches = [s.next_batch() for s in ranks]
         assert all(bt.indices == batches[0].indices for bt in batches)
@@ -365,22 +381,22 @@ def test_mini_and_micro_batches_cover_each_epoch_in_order():
 
 
 def test_sampler_resume_and_refusals():
-    s = T.PromptSampler(9, 3, seed=11)
+    s = PromptSampler(9, 3, seed=11)
     for _ in range(4):
         s.next_batch()
     state = json.loads(json.dumps(s.state_dict()))  # survives JSON (stored in trainer_state.json)
     cont = [s.next_batch().indices for _ in range(4)]
-    r = T.PromptSampler(9, 3, seed=11)
+    r = PromptSampler(9, 3, seed=11)
     r.load_state_dict(state)
     assert [r.next_batch().indices for _ in range(4)] == cont
     with pytest.raises(ValueError, match="seed"):
-        T.PromptSampler(9, 3, seed=12).load_state_dict(state)
+        PromptSampler(9, 3, seed=12).load_state_dict(state)
     with pytest.raises(ValueError, match="dataset_len"):
-        T.PromptSampler(10, 3, seed=11).load_state_dict(state)
+        PromptSampler(10, 3, seed=11).load_state_dict(state)
     with pytest.raises(ValueError, match="divisible"):
-        T.PromptSampler(10, 3, seed=0, rank=0, world_size=2)
+        PromptSampler(10, 3, seed=0, rank=0, world_size=2)
     with pytest.raises(ValueError, match="fewer than"):
-        T.PromptSampler(2, 3, seed=0)
+        PromptSampler(2, 3, seed=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -403,19 +419,19 @@ def _train_step(model, opt, stepper, sampler, data) -> float:
 
 def _fresh_run(lora_seed: int):
     model, cfg = make_model(lora_seed=lora_seed)
-    opt = T.build_optimizer(model, lr=1e-2, weight_decay=0.01)
-    return model, cfg, opt, T.GradStepper(max_grad_norm=0.5), T.PromptSampler(12, 2, seed=5)
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.01)
+    return model, cfg, opt, GradStepper(max_grad_norm=0.5), PromptSampler(12, 2, seed=5)
 
 
 def _save(root, step, model, cfg, opt, stepper, sampler, config=CONFIG):
-    return T.save_checkpoint(root, step, transformer=model, optimizer=opt, lora_config=cfg, config=config,
-                             sampler=sampler, adapter_names=("default", "old"),
-                             trainer_state={"stepper": stepper.state_dict()})
+    return save_checkpoint(root, step, transformer=model, optimizer=opt, lora_config=cfg, config=config,
+                           sampler=sampler, adapter_names=("default", "old"),
+                           trainer_state={"stepper": stepper.state_dict()})
 
 
 def _load(path, model, opt, sampler, config=CONFIG):
-    return T.load_checkpoint(path, transformer=model, optimizer=opt, config=config, sampler=sampler,
-                             adapter_names=("default", "old"))
+    return load_checkpoint(path, transformer=model, optimizer=opt, config=config, sampler=sampler,
+                           adapter_names=("default", "old"))
 
 
 @pytest.fixture
@@ -424,7 +440,7 @@ def trained_checkpoint(tmp_path):
     torch.manual_seed(0)
     data = torch.randn(12, 5, 4)
     model, cfg, opt, stepper, sampler = _fresh_run(lora_seed=1)
-    T.seed_everything(42)
+    seed_everything(42)
     for _ in range(3):
         _train_step(model, opt, stepper, sampler, data)
     T.old_policy_refresh(model, 3, decay=0.5)
@@ -436,10 +452,10 @@ def trained_checkpoint(tmp_path):
 
 def test_exact_resume(trained_checkpoint):
     root, data, losses_45, final_default, final_opt = trained_checkpoint
-    path = T.find_latest(root)
+    path = find_latest(root)
     assert path == os.path.join(root, "step_00000003")
     model, _, opt, stepper, sampler = _fresh_run(lora_seed=99)  # different LoRA init: the load must overwrite it
-    T.seed_everything(1234)  # different RNG state: the load must restore it
+    seed_everything(1234)  # different RNG state: the load must restore it
     state = _load(path, model, opt, sampler)
     stepper.load_state_dict(state["trainer_state"]["stepper"])
     assert state["step"] == 3 and sampler.state_dict()["step_in_epoch"] == 3
@@ -457,14 +473,14 @@ def test_resume_without_rng_restore_would_differ(trained_checkpoint):
     """Control for test_exact_resume: the RNG restore is what makes it exact (the test can fail)."""
     root, data, losses_45, _, _ = trained_checkpoint
     model, _, opt, stepper, sampler = _fresh_run(lora_seed=99)
-    _load(T.find_latest(root), model, opt, sampler)
-    T.seed_everything(1234)  # clobber the restored RNG
+    _load(find_latest(root), model, opt, sampler)
+    seed_everything(1234)  # clobber the restored RNG
     assert _train_step(model, opt, stepper, sampler, data) != losses_45[0]
 
 
 def test_checkpoint_layout_and_atomic_save(trained_checkpoint, monkeypatch):
     root, *_ = trained_checkpoint
-    path = T.find_latest(root)
+    path = find_latest(root)
     files = set(json.load(open(os.path.join(path, "COMPLETE")))["files"])
     assert files == {"adapters/default/adapter_config.json", "adapters/default/adapter_model.safetensors",
                      "adapters/old/adapter_config.json", "adapters/old/adapter_model.safetensors",
@@ -483,7 +499,7 @@ def test_checkpoint_layout_and_atomic_save(trained_checkpoint, monkeypatch):
     assert state["logged_config"] == {"model_path": "/tiny", "total_training_steps": 5}
     manifest = json.load(open(os.path.join(path, "COMPLETE")))
     entry = manifest["files"]["optimizer.pt"]
-    assert manifest["format"] == T.CHECKPOINT_FORMAT
+    assert manifest["format"] == CHECKPOINT_FORMAT
     assert entry["size"] == os.path.getsize(os.path.join(path, "optimizer.pt"))
     assert entry["sha256"] == hashlib.sha256(open(os.path.join(path, "optimizer.pt"), "rb").read()).hexdigest()
     assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
@@ -502,23 +518,23 @@ def test_checkpoint_layout_and_atomic_save(trained_checkpoint, monkeypatch):
     monkeypatch.setattr(torch, "save", real_save)
     assert not os.path.exists(os.path.join(root, "step_00000007"))
     assert not [n for n in os.listdir(root) if n.startswith(".tmp")]  # the failed save cleaned its temp dir
-    assert T.find_latest(root) == path
+    assert find_latest(root) == path
     # a process killed mid-save leaves a temp dir behind: ignored
     shutil.copytree(path, os.path.join(root, ".tmp-step_00000007-deadbeef"))
-    assert T.find_latest(root) == path
+    assert find_latest(root) == path
     # keep_last prunes older complete checkpoints only once the new one is in place; re-saving a step replaces it
     _save(root, 8, model, cfg, opt, stepper, sampler)
-    T.save_checkpoint(root, 9, transformer=model, optimizer=opt, lora_config=cfg, config=CONFIG, sampler=sampler,
-                      adapter_names=("default", "old"), keep_last=2)
+    save_checkpoint(root, 9, transformer=model, optimizer=opt, lora_config=cfg, config=CONFIG, sampler=sampler,
+                    adapter_names=("default", "old"), keep_last=2)
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000008", "step_00000009"]
     _save(root, 9, model, cfg, opt, stepper, sampler)
-    assert T.find_latest(root).endswith("step_00000009")
-    T.verify_checkpoint(T.find_latest(root))
+    assert find_latest(root).endswith("step_00000009")
+    verify_checkpoint(find_latest(root))
     # a save that cannot write keeps the newest checkpoint even with keep_last=1
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="simulated"):
-        T.save_checkpoint(root, 10, transformer=model, optimizer=opt, lora_config=cfg, config=CONFIG,
-                          sampler=sampler, adapter_names=("default", "old"), keep_last=1)
+        save_checkpoint(root, 10, transformer=model, optimizer=opt, lora_config=cfg, config=CONFIG,
+                        sampler=sampler, adapter_names=("default", "old"), keep_last=1)
     monkeypatch.setattr(torch, "save", real_save)
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_00000008", "step_00000009"]
 
@@ -528,17 +544,17 @@ def test_config_mismatch_is_refused_with_key_names(trained_checkpoint):
     model, _, opt, _, sampler = _fresh_run(lora_seed=1)
     bad = dict(CONFIG, lr=2e-2, lora_rank=4, new_flag=True)
     with pytest.raises(T.CheckpointError) as e:
-        _load(T.find_latest(root), model, opt, sampler, config=bad)
+        _load(find_latest(root), model, opt, sampler, config=bad)
     msg = str(e.value)
     assert "lr: checkpoint=0.01 now=0.02" in msg and "lora_rank: checkpoint=3 now=4" in msg
     assert "new_flag: checkpoint='<absent>' now=True" in msg and "seed" not in msg
     # keys that may change on resume (e.g. total_training_steps) do not block it
-    _load(T.find_latest(root), model, opt, sampler, config=dict(CONFIG, total_training_steps=500))
+    _load(find_latest(root), model, opt, sampler, config=dict(CONFIG, total_training_steps=500))
 
 
 def test_partial_and_corrupt_checkpoints_fail_clearly(trained_checkpoint):
     root, *_ = trained_checkpoint
-    good = T.find_latest(root)
+    good = find_latest(root)
 
     def fresh():
         model, _, opt, _, sampler = _fresh_run(lora_seed=1)
@@ -549,7 +565,7 @@ def test_partial_and_corrupt_checkpoints_fail_clearly(trained_checkpoint):
     shutil.copytree(good, partial)
     os.remove(os.path.join(partial, "COMPLETE"))
     with pytest.warns(UserWarning, match="step_00000004"):
-        assert T.find_latest(root) == good
+        assert find_latest(root) == good
     with pytest.raises(T.CheckpointError, match="partial"):
         _load(partial, *fresh())
     # a truncated file is caught by the manifest
@@ -571,8 +587,8 @@ def test_partial_and_corrupt_checkpoints_fail_clearly(trained_checkpoint):
         _load(garbage, *fresh())
     model, opt, sampler = fresh()
     with pytest.raises(T.CheckpointError, match="cannot read LoRA adapter"):
-        T.load_checkpoint(garbage, transformer=model, optimizer=opt, config=CONFIG, sampler=sampler,
-                          adapter_names=("default", "old"), verify_sha256=False)
+        load_checkpoint(garbage, transformer=model, optimizer=opt, config=CONFIG, sampler=sampler,
+                        adapter_names=("default", "old"), verify_sha256=False)
     # only incomplete step directories: refuse instead of silently starting fresh
     lonely = os.path.join(root, "..", "only_partial")
     os.makedirs(lonely)
@@ -580,8 +596,8 @@ def test_partial_and_corrupt_checkpoints_fail_clearly(trained_checkpoint):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(T.CheckpointError, match="none is complete"):
-            T.find_latest(lonely)
-    assert T.find_latest(str(os.path.join(root, "..", "does_not_exist"))) is None
+            find_latest(lonely)
+    assert find_latest(str(os.path.join(root, "..", "does_not_exist"))) is None
 
 
 def test_checkpoint_adapter_loads_in_diffusers(tmp_path):
@@ -595,16 +611,16 @@ def test_checkpoint_adapter_loads_in_diffusers(tmp_path):
               num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(**kw)
-    cfg = T.add_lora_adapters(transformer, target_modules=("to_q", "to_k", "img_mlp.net.2"), rank=4, alpha=8.0,
-                              adapter_names=("default", "old"), block_prefixes=("transformer_blocks",))
+    cfg = add_lora_adapters(transformer, target_modules=("to_q", "to_k", "img_mlp.net.2"), rank=4, alpha=8.0,
+                            adapter_names=("default", "old"), block_prefixes=("transformer_blocks",))
     with torch.no_grad():
-        for _, p in T.adapter_params(transformer, "default"):
+        for _, p in adapter_params(transformer, "default"):
             p.normal_()
-    T.shard_transformer(transformer, ("transformer_blocks",))
-    opt = T.build_optimizer(transformer, lr=1e-3)
-    path = T.save_checkpoint(str(tmp_path), 1, transformer=transformer, optimizer=opt, lora_config=cfg,
-                             config={"x": 1}, adapter_names=("default", "old"))
-    saved = T.adapter_state_dict(transformer, "default")
+    shard_transformer(transformer, ("transformer_blocks",))
+    opt = build_optimizer(transformer, lr=1e-3)
+    path = save_checkpoint(str(tmp_path), 1, transformer=transformer, optimizer=opt, lora_config=cfg,
+                           config={"x": 1}, adapter_names=("default", "old"))
+    saved = adapter_state_dict(transformer, "default")
 
     class Pipe(QwenImageLoraLoaderMixin):  # the mixin QwenImagePipeline uses, without text encoder / VAE
         def __init__(self, transformer):
@@ -624,7 +640,7 @@ def test_checkpoint_adapter_loads_in_diffusers(tmp_path):
     torch.manual_seed(0)
     engine_side = QwenImageTransformer2DModel(**kw)
     assert lora.import_adapter(engine_side, os.path.join(path, "adapters", "old"), adapter_name="old") == 6
-    old_saved = T.adapter_state_dict(transformer, "old")
+    old_saved = adapter_state_dict(transformer, "old")
     old_loaded = {re.sub(r"\.old\.", ".", n): p for n, p in engine_side.named_parameters() if ".lora_" in n}
     assert all(torch.equal(old_loaded[k].detach(), old_saved[k]) for k in old_saved)
 
@@ -639,7 +655,7 @@ def _rewrite_manifest_entry(path: str, rel: str) -> None:
     marker_path = os.path.join(path, "COMPLETE")
     marker = json.load(open(marker_path))
     full = os.path.join(path, rel)
-    marker["files"][rel] = {"size": os.path.getsize(full), "sha256": T.sha256_file(full)}
+    marker["files"][rel] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
     json.dump(marker, open(marker_path, "w"))
 
 
@@ -655,18 +671,18 @@ class _CreatesAFile:
 
 def test_malicious_pickle_in_a_checkpoint_is_refused_and_never_runs(trained_checkpoint, tmp_path):
     root, *_ = trained_checkpoint
-    path = T.find_latest(root)
+    path = find_latest(root)
     evidence = str(tmp_path / "payload_ran")
     torch.save({"state": {"x": _CreatesAFile(evidence)}, "param_groups": []}, os.path.join(path, "optimizer.pt"))
     _rewrite_manifest_entry(path, "optimizer.pt")  # integrity alone cannot catch it: the manifest matches
-    T.verify_checkpoint(path)
+    verify_checkpoint(path)
     model, _, opt, _, sampler = _fresh_run(lora_seed=1)
     with pytest.raises(T.CheckpointError, match=r"optimizer\.pt holds pickled objects.*weights_only"):
         _load(path, model, opt, sampler)
     assert not os.path.exists(evidence)  # the payload did not run
     # prepare_resume (model-free, before a trainer loads its model) refuses it already
     with pytest.raises(T.CheckpointError, match=r"optimizer\.pt holds pickled objects.*weights_only"):
-        T.prepare_resume("auto", root, CONFIG, adapter_names=("default", "old"))
+        prepare_resume("auto", root, CONFIG, adapter_names=("default", "old"))
     assert not os.path.exists(evidence)
     torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)  # control: a plain unpickle runs it
     assert os.path.exists(evidence)
@@ -689,36 +705,38 @@ def test_same_size_corruption_is_caught_and_names_the_previous_checkpoint(tmp_pa
         f.write(bytes([byte[0] ^ 0x40]))
     # without the sha256 check this loads silently (sizes match, the adapter parses): the fault the manifest catches
     other, _, other_opt, _, _ = _fresh_run(lora_seed=2)
-    T.load_checkpoint(newest, transformer=other, optimizer=other_opt, config=CONFIG, adapter_names=("default", "old"),
-                      verify_sha256=False)
+    load_checkpoint(newest, transformer=other, optimizer=other_opt, config=CONFIG, adapter_names=("default", "old"),
+                    verify_sha256=False)
     with pytest.raises(T.CheckpointError) as e:
-        T.prepare_resume("auto", root, CONFIG, adapter_names=("default", "old"))
+        prepare_resume("auto", root, CONFIG, adapter_names=("default", "old"))
     previous = os.path.join(root, "step_00000002")
     msg = str(e.value)
     assert "step_00000004 is corrupt" in msg and "adapter_model.safetensors" in msg and "sha256" in msg
     assert f"--resume {previous}" in msg
     # following the advice: the corrupt newest is moved aside (kept), the run continues from step 2
-    plan = T.prepare_resume(previous, root, CONFIG, adapter_names=("default", "old"))
+    plan = prepare_resume(previous, root, CONFIG, adapter_names=("default", "old"))
     assert (plan.path, plan.step, plan.purge_step) == (previous, 2, 3)
     moved = [m for m in plan.messages if "step_00000004" in m]
     assert moved and os.path.isdir(os.path.join(moved[0].split(" aside to ")[1], "step_00000004"))
-    assert T.find_latest(root) == previous
+    assert find_latest(root) == previous
 
 
 _KILLED_SAVE = r"""
 import os, sys, time
 import torch
-import training as T
+from training.checkpoint import save_checkpoint
+from training.model import add_lora_adapters
+from training.optim import build_optimizer
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer
 
 root, phase = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 model = TinyFlowTransformer()
-cfg = T.add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0, adapter_names=("default",),
-                          block_prefixes=BLOCK_PREFIXES)
-opt = T.build_optimizer(model, lr=1e-2)
-save = lambda step: T.save_checkpoint(root, step, transformer=model, optimizer=opt, lora_config=cfg,
-                                      config={"lr": 1e-2})
+cfg = add_lora_adapters(model, target_modules=TARGETS, rank=3, alpha=6.0, adapter_names=("default",),
+                        block_prefixes=BLOCK_PREFIXES)
+opt = build_optimizer(model, lr=1e-2)
+save = lambda step: save_checkpoint(root, step, transformer=model, optimizer=opt, lora_config=cfg,
+                                    config={"lr": 1e-2})
 if phase == "new":  # killed while writing optimizer.pt of a new step
     save(1)
     real = torch.save
@@ -758,16 +776,16 @@ def test_a_killed_save_leaves_the_newest_checkpoint_and_start_up_tidies(tmp_path
     root = str(tmp_path / "checkpoints")
     _run_until_killed(root, "new")
     assert [n for n in os.listdir(root) if n.startswith(".tmp-step_00000002")]
-    assert T.find_latest(root).endswith("step_00000001")
+    assert find_latest(root).endswith("step_00000001")
     _run_until_killed(root, "resave")
     assert not os.path.exists(os.path.join(root, "step_00000001"))  # mid-swap: only the .trash- copy holds it
     assert [n for n in os.listdir(root) if n.startswith(".trash-step_00000001")]
-    plan = T.prepare_resume("auto", root, {"lr": 1e-2})
+    plan = prepare_resume("auto", root, {"lr": 1e-2})
     text = "\n".join(plan.messages)
     assert "removed" in text and ".tmp-step_00000002" in text and "restored" in text
     assert plan.path == os.path.join(root, "step_00000001") and plan.step == 1
     assert sorted(os.listdir(root)) == ["step_00000001"]  # temp folders gone, the newest checkpoint back
-    T.verify_checkpoint(plan.path)
+    verify_checkpoint(plan.path)
 
 
 def test_every_trainer_flag_has_a_resume_class():
@@ -779,11 +797,11 @@ def test_every_trainer_flag_has_a_resume_class():
     for trainer in (train_nft, train_dppo):
         flags |= set(vars(trainer.parse_args(["--model_path", "m", "--train_files", "t"])))
     flags.add("cfg_scale")  # no flag: setup_run resolves it (training.resolve_cfg_scale) into the run's config
-    classes = (T.RESUME_BLOCKING, T.RESUME_LOGGED, set(T.RESUME_PATHS))
+    classes = (RESUME_BLOCKING, RESUME_LOGGED, set(RESUME_PATHS))
     unclassified = sorted(f for f in flags if not any(f in c for c in classes))
     assert not unclassified, f"classify in training/resume_policy.py (RESUME_BLOCKING / LOGGED / PATHS): {unclassified}"
-    assert not (T.RESUME_BLOCKING & T.RESUME_LOGGED)
-    assert not set(T.RESUME_PATHS) & (T.RESUME_BLOCKING | T.RESUME_LOGGED)
+    assert not (RESUME_BLOCKING & RESUME_LOGGED)
+    assert not set(RESUME_PATHS) & (RESUME_BLOCKING | RESUME_LOGGED)
     assert not sorted(set().union(*classes) - flags), "classified names that are no flag of either trainer"
 
 
@@ -800,7 +818,7 @@ def test_resume_policy_moved_paths_operational_flags_and_changed_content(tmp_pat
 
     def config(**changes):
         merged = {**flags, **changes}
-        return {**merged, **T.content_fingerprints(merged)}
+        return {**merged, **content_fingerprints(merged)}
 
     model, cfg, opt, stepper, sampler = _fresh_run(lora_seed=1)
     root = str(tmp_path / "run" / "checkpoints")
@@ -809,10 +827,10 @@ def test_resume_policy_moved_paths_operational_flags_and_changed_content(tmp_pat
     moved = tmp_path / "elsewhere"
     shutil.copytree(model_dir, moved / "model")
     shutil.copy(data, moved / "train.parquet")
-    plan = T.prepare_resume("auto", root, config(train_files=str(moved / "train.parquet"),
-                                                 model_path=str(moved / "model"), genrm_url="http://b:2",
-                                                 rollout_max_batch_size=4, total_training_steps=9),
-                            adapter_names=("default", "old"))
+    plan = prepare_resume("auto", root, config(train_files=str(moved / "train.parquet"),
+                                               model_path=str(moved / "model"), genrm_url="http://b:2",
+                                               rollout_max_batch_size=4, total_training_steps=9),
+                          adapter_names=("default", "old"))
     text = "\n".join(plan.messages)
     assert plan.step == 1 and "operational" in text
     for key in ("genrm_url", "rollout_max_batch_size", "total_training_steps", "train_files", "model_path"):
@@ -820,19 +838,19 @@ def test_resume_policy_moved_paths_operational_flags_and_changed_content(tmp_pat
     # different data under the same name (same size) or another model's weights: refused, naming the content key
     data.write_bytes(b"ROWS" * 1000)
     with pytest.raises(T.CheckpointError, match=r"train_files@content: checkpoint='sha256:"):
-        T.prepare_resume("auto", root, config(), adapter_names=("default", "old"))
+        prepare_resume("auto", root, config(), adapter_names=("default", "old"))
     data.write_bytes(b"rows" * 1000)
     with open(weights, "r+b") as f:
         f.seek(-10, os.SEEK_END)
         f.write(b"x" * 10)
     with pytest.raises(T.CheckpointError, match=r"model_path@content"):
-        T.prepare_resume("auto", root, config(), adapter_names=("default", "old"))
+        prepare_resume("auto", root, config(), adapter_names=("default", "old"))
     # a blocking flag: refused with the fix named; --resume_force turns it into a warning naming the key
     with pytest.raises(T.CheckpointError, match=r"lr: checkpoint=0\.01 now=0\.1[\s\S]*--resume_force"):
-        T.prepare_resume("auto", root, config(lr=0.1, model_path=str(moved / "model")),
-                         adapter_names=("default", "old"))
-    plan = T.prepare_resume("auto", root, config(lr=0.1, model_path=str(moved / "model")),
-                            adapter_names=("default", "old"), force=True)
+        prepare_resume("auto", root, config(lr=0.1, model_path=str(moved / "model")),
+                       adapter_names=("default", "old"))
+    plan = prepare_resume("auto", root, config(lr=0.1, model_path=str(moved / "model")),
+                          adapter_names=("default", "old"), force=True)
     assert any(m.startswith("WARNING --resume_force") and "lr: checkpoint=0.01 now=0.1" in m for m in plan.messages)
 
 
@@ -840,26 +858,26 @@ def test_resume_never_moves_earlier_checkpoints_and_logs_aside(trained_checkpoin
     root, *_ = trained_checkpoint
     tensorboard = os.path.join(os.path.dirname(root), "tensorboard")
     os.makedirs(tensorboard)
-    plan = T.prepare_resume("never", root, CONFIG, set_aside_with_checkpoints=(tensorboard,))
+    plan = prepare_resume("never", root, CONFIG, set_aside_with_checkpoints=(tensorboard,))
     assert plan.path is None and plan.step == 0 and plan.purge_step == 0
     dest = plan.messages[-1].split(" aside to ")[1].split(" (")[0]
     assert os.path.isdir(os.path.join(dest, os.path.basename(root), "step_00000003"))
     assert os.path.isdir(os.path.join(dest, "tensorboard")) and not os.path.exists(root)
-    assert T.prepare_resume("never", root, CONFIG).messages == ()  # nothing left to move
+    assert prepare_resume("never", root, CONFIG).messages == ()  # nothing left to move
 
 
 def test_nonfinite_loss_gradient_or_update_skips_the_step_and_undoes_it():
     import losses
 
     model, _ = make_model()
-    opt = T.build_optimizer(model, lr=1e-2)
-    stepper = T.GradStepper(max_grad_norm=1.0)
+    opt = build_optimizer(model, lr=1e-2)
+    stepper = GradStepper(max_grad_norm=1.0)
     x = torch.randn(2, 5, 4)
     model(x).pow(2).mean().backward()
     assert stepper.step(opt)["actor/step_skipped"] == 0.0  # AdamW state exists from here on
 
     def snapshot():
-        state = {n: {k: full_tensor(v).clone() for k, v in opt.state[p].items()} for n, p in T.adapter_params(model)}
+        state = {n: {k: full_tensor(v).clone() for k, v in opt.state[p].items()} for n, p in adapter_params(model)}
         return full_params(model, "default"), state
 
     def unchanged(before):
@@ -894,13 +912,13 @@ def test_nonfinite_loss_gradient_or_update_skips_the_step_and_undoes_it():
     opt.param_groups[0]["lr"] = 1e-2
     model(x).pow(2).mean().backward()
     assert stepper.step(opt)["actor/step_skipped"] == 0.0 and not unchanged(before)
-    restored = T.GradStepper()
+    restored = GradStepper()
     restored.load_state_dict(json.loads(json.dumps(stepper.state_dict())))
     assert (restored.skipped_steps, restored.consecutive_skips, restored.applied_steps) == (2, 0, 2)
     # 4. the very first update undone: the optimizer is back to "never stepped"
-    fresh_opt = T.build_optimizer(model, lr=float("inf"))
+    fresh_opt = build_optimizer(model, lr=float("inf"))
     model(x).pow(2).mean().backward()
-    assert T.GradStepper().step(fresh_opt)["actor/step_skipped"] == 1.0 and not fresh_opt.state
+    assert GradStepper().step(fresh_opt)["actor/step_skipped"] == 1.0 and not fresh_opt.state
 
 
 def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path):
@@ -908,7 +926,7 @@ def test_a_checkpoint_is_never_written_from_nonfinite_weights(tmp_path):
     root = str(tmp_path / "ckpt")
     _save(root, 1, model, cfg, opt, stepper, sampler)
     with torch.no_grad():
-        T.adapter_params(model, "default")[0][1].to_local().fill_(float("nan"))  # a DTensor shard (make_model shards)
+        adapter_params(model, "default")[0][1].to_local().fill_(float("nan"))  # a DTensor shard (make_model shards)
     with pytest.raises(T.CheckpointError, match="NaN/inf"):
         _save(root, 2, model, cfg, opt, stepper, sampler)
     assert sorted(os.listdir(root)) == ["step_00000001"]
@@ -918,13 +936,13 @@ def test_rollout_adapter_versions_of_earlier_runs_never_remove_the_current_one(t
     root = tmp_path / "rollout_adapters"
     for name in ("v00000002", "v00000003", "v00000006", ".v00000004.tmp.abc"):
         (root / name).mkdir(parents=True)
-    line = T.clean_rollout_adapters(str(root))
+    line = clean_rollout_adapters(str(root))
     assert "v00000002..v00000006" in line and "4 entries" in line and not os.listdir(root)
-    assert T.clean_rollout_adapters(str(root)) is None
+    assert clean_rollout_adapters(str(root)) is None
     # a version published below leftovers of an earlier run (a resume from an earlier step)
     for name in ("v00000003", "v00000004", "v00000005", "v00000009", "v00000010"):
         (root / name).mkdir()
-    assert T.prune_rollout_adapters(str(root), 5, keep=2) == ["v00000003", "v00000009", "v00000010"]
+    assert prune_rollout_adapters(str(root), 5, keep=2) == ["v00000003", "v00000009", "v00000010"]
     assert sorted(os.listdir(root)) == ["v00000004", "v00000005"]  # the new one and the one the workers hold
 
 
@@ -937,7 +955,7 @@ def test_stop_signals_first_asks_repeat_within_3s_is_the_same_request(first):
     first = getattr(signal, first)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        stop = T.StopSignals(announce=False).install()
+        stop = StopSignals(announce=False).install()
         os.kill(os.getpid(), first)
         assert stop.signum == first
         os.kill(os.getpid(), signal.SIGINT)  # torchrun's forwarded copy: no effect, the process lives on
@@ -957,29 +975,29 @@ def test_reward_and_advantage_metrics():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
     uids = ["a", "a", "b", "b", "c", "c"]
     adv = torch.tensor([[0.0, 0.0], [0.0, 0.0], [-1.0, -1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
-    m = T.reward_metrics(rewards, uids, adv)
+    m = reward_metrics(rewards, uids, adv)
     assert m == {
         "critic/rewards/mean": pytest.approx(4.0 / 6), "critic/rewards/max": 1.0, "critic/rewards/min": 0.0,
         "critic/rewards/zero_std_ratio": pytest.approx(2.0 / 3), "critic/rewards/std_mean": pytest.approx(0.5 / 3),
         "critic/rewards/group_size": 2.0,
         "critic/advantages/mean": 0.0, "critic/advantages/max": 1.0, "critic/advantages/min": -1.0,
     }
-    m3 = T.reward_metrics(rewards, uids, extras={"pickscore_raw": [1, 2, 3, 4, 5, 6], "reward/ocr": [0.5] * 6})
+    m3 = reward_metrics(rewards, uids, extras={"pickscore_raw": [1, 2, 3, 4, 5, 6], "reward/ocr": [0.5] * 6})
     assert m3["critic/pickscore_raw/mean"] == 3.5 and m3["critic/reward/ocr/mean"] == 0.5
-    m2 = T.reward_metrics(rewards[:, None].expand(6, 3), uids)  # (B, T): averaged over T first
+    m2 = reward_metrics(rewards[:, None].expand(6, 3), uids)  # (B, T): averaged over T first
     assert m2["critic/rewards/mean"] == pytest.approx(4.0 / 6) and "critic/advantages/mean" not in m2
     with pytest.raises(ValueError):
-        T.reward_metrics(rewards, uids[:3])
+        reward_metrics(rewards, uids[:3])
 
 
 def test_validation_metric_names():
-    m = T.validation_metrics(["ocr", "ocr", "pickscore"], {"reward": [0.5, 1.0, 0.25], "pickscore_raw": [1, 2, 3]})
+    m = validation_metrics(["ocr", "ocr", "pickscore"], {"reward": [0.5, 1.0, 0.25], "pickscore_raw": [1, 2, 3]})
     assert m == {"val-core/ocr/reward/mean@1": 0.75, "val-aux/ocr/pickscore_raw/mean@1": 1.5,
                  "val-core/pickscore/reward/mean@1": 0.25, "val-aux/pickscore/pickscore_raw/mean@1": 3.0}
     # a bare-float reward gets "acc" (verl-omni's VisualRewardManager): acc is the core variable
-    m = T.validation_metrics(["jpeg_compressibility"] * 2, {"reward": [0.1, 0.3], "acc": [0.1, 0.3]})
+    m = validation_metrics(["jpeg_compressibility"] * 2, {"reward": [0.1, 0.3], "acc": [0.1, 0.3]})
     assert set(m) == {"val-core/jpeg_compressibility/acc/mean@1", "val-aux/jpeg_compressibility/reward/mean@1"}
-    m = T.validation_metrics(["flow_grpo/ocr"] * 4, {"reward": [0.0, 1.0, 1.0, 1.0]}, uids=[0, 0, 1, 1])
+    m = validation_metrics(["flow_grpo/ocr"] * 4, {"reward": [0.0, 1.0, 1.0, 1.0]}, uids=[0, 0, 1, 1])
     assert m == {"val-core/flow_grpo/ocr/reward/mean@2": 0.75, "val-aux/flow_grpo/ocr/reward/std@2": 0.25}
 
 
@@ -995,9 +1013,9 @@ def test_metric_accumulator_timer_perf_progress():
     with T.timer("gen", timings):
         pass
     assert list(timings) == ["timing_s/gen"] and timings["timing_s/gen"] >= 0
-    assert T.perf_metrics(64, 2.0, 4) == {"perf/total_num_images": 64.0, "perf/time_per_step": 2.0,
+    assert perf_metrics(64, 2.0, 4) == {"perf/total_num_images": 64.0, "perf/time_per_step": 2.0,
                                          "perf/throughput": 8.0}
-    p = T.Progress(total_steps=10)
+    p = Progress(total_steps=10)
     p.line(1, 10.0)
     p.line(2, 2.0)
     line = p.line(3, 2.0, {"critic/rewards/mean": 0.5})
@@ -1018,15 +1036,15 @@ def test_image_grid_and_tensorboard_keys(tmp_path):
         T.image_grid(images, ["only one"])
 
     log_dir = str(tmp_path / "tb")
-    logger = T.TensorBoardLogger(log_dir)
+    logger = TensorBoardLogger(log_dir)
     model, _ = make_model()
     metrics = {}
-    metrics.update(T.reward_metrics(torch.tensor([0.0, 1.0]), ["a", "a"], torch.tensor([-1.0, 1.0])))
+    metrics.update(reward_metrics(torch.tensor([0.0, 1.0]), ["a", "a"], torch.tensor([-1.0, 1.0])))
     metrics.update(T.old_policy_refresh(model, 1))
-    metrics.update(T.perf_metrics(2, 1.0, 1))
-    metrics.update(T.validation_metrics(["ocr"], {"reward": [0.5]}))
+    metrics.update(perf_metrics(2, 1.0, 1))
+    metrics.update(validation_metrics(["ocr"], {"reward": [0.5]}))
     model(torch.randn(1, 5, 4)).sum().backward()
-    metrics.update(T.GradStepper().step(T.build_optimizer(model, lr=1e-3)))
+    metrics.update(GradStepper().step(build_optimizer(model, lr=1e-3)))
     with T.timer("step", metrics):
         pass
     logger.log_scalars(metrics, step=1)
@@ -1045,7 +1063,7 @@ def test_image_grid_and_tensorboard_keys(tmp_path):
 
 
 def test_write_run_metadata(tmp_path):
-    meta = T.write_run_metadata(str(tmp_path), {"lr": 1e-4, "targets": ("to_q",)}, seeds={"seed": 42})
+    meta = write_run_metadata(str(tmp_path), {"lr": 1e-4, "targets": ("to_q",)}, seeds={"seed": 42})
     on_disk = json.load(open(tmp_path / "run_metadata.json"))
     assert on_disk == json.loads(json.dumps(meta))
     assert on_disk["config"] == {"lr": 1e-4, "targets": ["to_q"]} and on_disk["seeds"] == {"seed": 42}
@@ -1055,9 +1073,9 @@ def test_write_run_metadata(tmp_path):
 
 
 def test_config_fingerprint():
-    h1, v1 = T.config_fingerprint({"a": 1, "b": (1, 2), "total_training_steps": 3})
-    h2, _ = T.config_fingerprint({"b": [1, 2], "a": 1, "total_training_steps": 300})
-    h3, _ = T.config_fingerprint({"a": 2, "b": (1, 2)})
+    h1, v1 = config_fingerprint({"a": 1, "b": (1, 2), "total_training_steps": 3})
+    h2, _ = config_fingerprint({"b": [1, 2], "a": 1, "total_training_steps": 300})
+    h3, _ = config_fingerprint({"a": 2, "b": (1, 2)})
     assert h1 == h2 != h3 and v1 == {"a": 1, "b": [1, 2]}
 
 
@@ -1117,11 +1135,11 @@ def test_prepare_real_tiny_transformer(tiny_models, name):
 
     path = os.path.join(tiny_models, name)
     model, untouched = load_model(path), load_model(path)
-    T.prepare_transformer(model.transformer, block_prefixes=model.lora_block_prefixes,
-                          target_modules=model.default_lora_targets, lora_rank=4, lora_alpha=8.0,
-                          adapter_names=("default", "old"), device="cpu", activation_checkpointing=True)
+    prepare_transformer(model.transformer, block_prefixes=model.lora_block_prefixes,
+                        target_modules=model.default_lora_targets, lora_rank=4, lora_alpha=8.0,
+                        adapter_names=("default", "old"), device="cpu", activation_checkpointing=True)
     with torch.no_grad():
-        for n, p in T.adapter_params(model.transformer, "default"):
+        for n, p in adapter_params(model.transformer, "default"):
             if ".lora_B." in n:
                 p.normal_(0, 0.1)
     prompt = model.encode_prompt(["a red bicycle", "a sign that says 'hi'"])
@@ -1142,14 +1160,14 @@ def test_prepare_real_tiny_transformer(tiny_models, name):
     assert torch.equal(v_old, v_base)  # "old" has B = 0 (not yet copied), so it equals the base model
     assert (v.detach() - v_base).abs().max() > 1e-3  # "default" has non-zero B
     v.pow(2).mean().backward()
-    no_grad = {n for n, p in T.adapter_params(model.transformer, "default") if p.grad is None}
+    no_grad = {n for n, p in adapter_params(model.transformer, "default") if p.grad is None}
     if name == "qwen_image":  # the last dual-stream block's text outputs never reach the image: no gradient
         last = f"transformer_blocks.{len(model.transformer.transformer_blocks) - 1}"
         assert no_grad == {f"{last}.{m}.lora_{ab}.default.weight" for ab in "AB"
                            for m in ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")}
     else:
         assert not no_grad
-    assert all(p.grad is None for _, p in T.adapter_params(model.transformer, "old"))
+    assert all(p.grad is None for _, p in adapter_params(model.transformer, "old"))
     assert all(p.grad is None for n, p in model.transformer.named_parameters() if ".lora_" not in n)
-    m = T.GradStepper(max_grad_norm=1.0).step(T.build_optimizer(model.transformer, lr=1e-3))
+    m = GradStepper(max_grad_norm=1.0).step(build_optimizer(model.transformer, lr=1e-3))
     assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0

@@ -22,6 +22,14 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
+from training.adapters import load_init_adapter, resolve_adapter_dir  # noqa: E402
+from training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from training.logs import tee_console  # noqa: E402
+from training.model import (adapter_params, adapter_state_dict, add_lora_adapters, save_adapter_dir,  # noqa: E402
+                            shard_transformer)
+from training.optim import (build_lr_scheduler, build_optimizer, load_lr_scheduler_state_, lr_multiplier,  # noqa: E402
+                            lr_scheduler_state)
+from training.run import Run  # noqa: E402
 from models import lora  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
 from test_training import one_process_group  # noqa: E402,F401  (autouse: a 1-process gloo group for the module)
@@ -31,19 +39,19 @@ def tiny_model(seed: int, adapters=("default", "old"), rank: int = 2, alpha: flo
     """Tiny transformer (base from seed 0) with LoRA adapters of random non-zero A and B (from `seed`), sharded."""
     torch.manual_seed(0)
     model = TinyFlowTransformer()
-    cfg = T.add_lora_adapters(model, target_modules=TARGETS, rank=rank, alpha=alpha, adapter_names=adapters,
-                              block_prefixes=BLOCK_PREFIXES)
+    cfg = add_lora_adapters(model, target_modules=TARGETS, rank=rank, alpha=alpha, adapter_names=adapters,
+                            block_prefixes=BLOCK_PREFIXES)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name in adapters:
-            for _, p in T.adapter_params(model, name):
+            for _, p in adapter_params(model, name):
                 p.normal_(0, 0.5)
-    T.shard_transformer(model, BLOCK_PREFIXES)
+    shard_transformer(model, BLOCK_PREFIXES)
     return model, cfg
 
 
 def export(model, cfg, adapter: str, out: str) -> str:
-    T.save_adapter_dir(T.adapter_state_dict(model, adapter), cfg, out)
+    save_adapter_dir(adapter_state_dict(model, adapter), cfg, out)
     return out
 
 
@@ -62,7 +70,7 @@ def export(model, cfg, adapter: str, out: str) -> str:
     ("cosine", 0, 4, 0.0, [1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 - 0.5 * math.cos(math.pi / 4), 0.0]),
 ])
 def test_lr_multiplier_hand_values(schedule, warmup, total, floor, expected):
-    got = [T.lr_multiplier(s, schedule=schedule, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor)
+    got = [lr_multiplier(s, schedule=schedule, warmup_steps=warmup, total_steps=total, min_lr_ratio=floor)
            for s in range(len(expected))]
     assert got == pytest.approx(expected, abs=1e-12)
 
@@ -72,9 +80,9 @@ def test_lr_scheduler_resumes_exactly_through_a_checkpoint(tmp_path):
     objects: the next lrs equal the uninterrupted run's; a fresh schedule without the restore would not."""
     def build():
         model, cfg = tiny_model(1, adapters=("default",))
-        optimizer = T.build_optimizer(model, lr=0.1)
-        return model, cfg, optimizer, T.build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=1,
-                                                           total_steps=6, min_lr_ratio=0.1)
+        optimizer = build_optimizer(model, lr=0.1)
+        return model, cfg, optimizer, build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=1,
+                                                         total_steps=6, min_lr_ratio=0.1)
 
     def step(model, optimizer, scheduler):
         lr = optimizer.param_groups[0]["lr"]
@@ -90,26 +98,26 @@ def test_lr_scheduler_resumes_exactly_through_a_checkpoint(tmp_path):
 
     model, cfg, optimizer, scheduler = build()
     [step(model, optimizer, scheduler) for _ in range(2)]
-    path = T.save_checkpoint(str(tmp_path / "ckpt"), 2, transformer=model, optimizer=optimizer, lora_config=cfg,
-                             config={"x": 1}, trainer_state={"lr_scheduler": T.lr_scheduler_state(scheduler)})
+    path = save_checkpoint(str(tmp_path / "ckpt"), 2, transformer=model, optimizer=optimizer, lora_config=cfg,
+                           config={"x": 1}, trainer_state={"lr_scheduler": lr_scheduler_state(scheduler)})
     model, cfg, optimizer, scheduler = build()
-    state = T.load_checkpoint(path, transformer=model, optimizer=optimizer, config={"x": 1})
+    state = load_checkpoint(path, transformer=model, optimizer=optimizer, config={"x": 1})
     fresh_lr = optimizer.param_groups[0]["lr"]  # what a resume that forgets the schedule would continue from
-    T.load_lr_scheduler_state_(scheduler, state["trainer_state"]["lr_scheduler"])
+    load_lr_scheduler_state_(scheduler, state["trainer_state"]["lr_scheduler"])
     resumed = [step(model, optimizer, scheduler) for _ in range(3)]
     assert resumed == straight[2:]
-    forgot = T.build_lr_scheduler(T.build_optimizer(tiny_model(1, adapters=("default",))[0], lr=0.1),
-                                  schedule="cosine", warmup_steps=1, total_steps=6, min_lr_ratio=0.1)
+    forgot = build_lr_scheduler(build_optimizer(tiny_model(1, adapters=("default",))[0], lr=0.1),
+                                schedule="cosine", warmup_steps=1, total_steps=6, min_lr_ratio=0.1)
     # the optimizer restore keeps this run's hyper-parameters (the warm-up's lr 0 at construction): without the
     # scheduler restore the run would continue at the wrong lr
     assert forgot.get_last_lr()[0] != straight[2] and fresh_lr != pytest.approx(straight[2])
 
     # a decaying schedule was laid out over total_steps: another --total_training_steps is refused
-    other = T.build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=1, total_steps=9, min_lr_ratio=0.1)
+    other = build_lr_scheduler(optimizer, schedule="cosine", warmup_steps=1, total_steps=9, min_lr_ratio=0.1)
     with pytest.raises(ValueError, match="--total_training_steps 6"):
-        T.load_lr_scheduler_state_(other, state["trainer_state"]["lr_scheduler"])
+        load_lr_scheduler_state_(other, state["trainer_state"]["lr_scheduler"])
     with pytest.raises(ValueError, match="no lr scheduler state"):
-        T.load_lr_scheduler_state_(other, None)
+        load_lr_scheduler_state_(other, None)
     json.dumps(state["trainer_state"])  # it rides in trainer_state.json
 
 
@@ -123,29 +131,29 @@ def checkpoint(tmp_path_factory):
     """A complete training checkpoint with adapters default and old (different values), and a PEFT folder."""
     root = tmp_path_factory.mktemp("ckpt")
     model, cfg = tiny_model(3)
-    optimizer = T.build_optimizer(model, lr=0.1)
-    path = T.save_checkpoint(str(root / "run" / "checkpoints"), 7, transformer=model, optimizer=optimizer,
-                             lora_config=cfg, config={}, adapter_names=("default", "old"))
+    optimizer = build_optimizer(model, lr=0.1)
+    path = save_checkpoint(str(root / "run" / "checkpoints"), 7, transformer=model, optimizer=optimizer,
+                           lora_config=cfg, config={}, adapter_names=("default", "old"))
     return SimpleNamespace(path=path, run=str(root / "run"), peft=export(model, cfg, "old", str(root / "peft")),
-                           default=T.adapter_state_dict(model, "default"), old=T.adapter_state_dict(model, "old"))
+                           default=adapter_state_dict(model, "default"), old=adapter_state_dict(model, "old"))
 
 
 def test_resolve_adapter_dir(checkpoint, tmp_path):
-    assert T.resolve_adapter_dir(checkpoint.peft) == checkpoint.peft
-    assert T.resolve_adapter_dir(checkpoint.path + ":old") == os.path.join(checkpoint.path, "adapters", "old")
-    assert T.resolve_adapter_dir(checkpoint.path + ":default") == os.path.join(checkpoint.path, "adapters", "default")
+    assert resolve_adapter_dir(checkpoint.peft) == checkpoint.peft
+    assert resolve_adapter_dir(checkpoint.path + ":old") == os.path.join(checkpoint.path, "adapters", "old")
+    assert resolve_adapter_dir(checkpoint.path + ":default") == os.path.join(checkpoint.path, "adapters", "default")
     with pytest.raises(ValueError, match=r"holds the adapters \['default', 'old'\]: name one"):
-        T.resolve_adapter_dir(checkpoint.path)
+        resolve_adapter_dir(checkpoint.path)
     with pytest.raises(ValueError, match="is a PEFT adapter folder, not a checkpoint"):
-        T.resolve_adapter_dir(checkpoint.peft + ":old")
+        resolve_adapter_dir(checkpoint.peft + ":old")
     with pytest.raises(ValueError, match="looks like a run directory.*step_00000007"):
-        T.resolve_adapter_dir(checkpoint.run)
+        resolve_adapter_dir(checkpoint.run)
     with pytest.raises(ValueError, match=f"{tmp_path} is neither a PEFT adapter folder"):
-        T.resolve_adapter_dir(str(tmp_path))
+        resolve_adapter_dir(str(tmp_path))
     partial = tmp_path / "step_00000001"
     (partial / "adapters").mkdir(parents=True)
     with pytest.raises(ValueError, match="is partial"):
-        T.resolve_adapter_dir(str(partial) + ":default")
+        resolve_adapter_dir(str(partial) + ":default")
     parser = argparse.ArgumentParser()
     parser.add_argument("--init_adapter", type=T.adapter_arg)
     assert parser.parse_args(["--init_adapter", checkpoint.peft]).init_adapter == checkpoint.peft
@@ -156,20 +164,20 @@ def test_resolve_adapter_dir(checkpoint, tmp_path):
 def test_init_adapter_loads_exactly_and_fails_closed(checkpoint, tmp_path, capsys):
     model, _ = tiny_model(9)
     n = len(lora.lora_layers(model, "default"))
-    assert T.load_init_adapter(model, None, lora_rank=2, lora_alpha=4.0, expected_modules=n) == 0
-    assert T.load_init_adapter(model, checkpoint.path + ":old", lora_rank=2, lora_alpha=4.0, expected_modules=n) == n
-    loaded = T.adapter_state_dict(model, "default")
+    assert load_init_adapter(model, None, lora_rank=2, lora_alpha=4.0, expected_modules=n) == 0
+    assert load_init_adapter(model, checkpoint.path + ":old", lora_rank=2, lora_alpha=4.0, expected_modules=n) == n
+    loaded = adapter_state_dict(model, "default")
     assert loaded.keys() == checkpoint.old.keys()
     assert all(torch.equal(loaded[k], checkpoint.old[k]) for k in loaded)
     assert "init adapter: 'default' starts from" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--lora_rank 2 --lora_alpha 6.0"):
-        T.load_init_adapter(model, checkpoint.peft, lora_rank=2, lora_alpha=6.0, expected_modules=n)
+        load_init_adapter(model, checkpoint.peft, lora_rank=2, lora_alpha=6.0, expected_modules=n)
     # an adapter over other modules (only to_q): strict, names the missing tensors
     small = TinyFlowTransformer()
-    cfg = T.add_lora_adapters(small, target_modules=("to_q",), rank=2, alpha=4.0, block_prefixes=BLOCK_PREFIXES)
+    cfg = add_lora_adapters(small, target_modules=("to_q",), rank=2, alpha=4.0, block_prefixes=BLOCK_PREFIXES)
     with pytest.raises(ValueError, match="missing 6"):
-        T.load_init_adapter(model, export(small, cfg, "default", str(tmp_path / "q")), lora_rank=2, lora_alpha=4.0,
-                            expected_modules=n)
+        load_init_adapter(model, export(small, cfg, "default", str(tmp_path / "q")), lora_rank=2, lora_alpha=4.0,
+                          expected_modules=n)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,13 +222,13 @@ def test_val_adapter_samples_with_the_chosen_adapter_and_restores_the_rollout(tm
     args = argparse.Namespace(val_adapter=val_adapter, output_dir=str(tmp_path), rollout_engine="native",
                               val_max_samples=0, val_seed=42, val_num_inference_steps=2, height=16, width=16,
                               num_val_images=2, cfg_scale=1.0)
-    required = {f.name: None for f in dataclasses.fields(T.Run) if f.default is dataclasses.MISSING}
-    run = T.Run(**{**required, "args": args, "model": SimpleNamespace(transformer=model, family="qwen_image"),
-                   "lora_config": cfg, "num_lora_modules": len(lora.lora_layers(model, "default")),
-                   "val_data": rows, "scorer": scorer, "rollout": client, "rank": 0, "world": 1,
-                   "adapters_root": str(tmp_path / "rollout_adapters"),
-                   "logger": SimpleNamespace(log_scalars=lambda *a: None, log_image=lambda *a: None)})
-    default, old = T.adapter_state_dict(model, "default"), T.adapter_state_dict(model, "old")
+    required = {f.name: None for f in dataclasses.fields(Run) if f.default is dataclasses.MISSING}
+    run = Run(**{**required, "args": args, "model": SimpleNamespace(transformer=model, family="qwen_image"),
+                 "lora_config": cfg, "num_lora_modules": len(lora.lora_layers(model, "default")),
+                 "val_data": rows, "scorer": scorer, "rollout": client, "rank": 0, "world": 1,
+                 "adapters_root": str(tmp_path / "rollout_adapters"),
+                 "logger": SimpleNamespace(log_scalars=lambda *a: None, log_image=lambda *a: None)})
+    default, old = adapter_state_dict(model, "default"), adapter_state_dict(model, "old")
     assert not same(default, old)
     run.sync_rollout("old", 3)  # DiffusionNFT's rollout adapter, version 3
     metrics = run.validate(3)
@@ -242,15 +250,15 @@ def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test, whatever tee_console installs
     monkeypatch.setattr(sys, "stderr", sys.stderr)
     monkeypatch.setattr(logs, "launch_rank", lambda: 1)
-    path = T.tee_console(str(tmp_path))
+    path = tee_console(str(tmp_path))
     assert not isinstance(sys.stdout, logs._Tee)  # ranks > 0: stderr only
     print("rank-1 chatter")
     sys.stderr.write("Traceback (most recent call last):\n  boom")
     sys.stderr.write("\nRuntimeError: boom\n")
-    assert T.tee_console(str(tmp_path)) == path  # idempotent: no second layer
+    assert tee_console(str(tmp_path)) == path  # idempotent: no second layer
     monkeypatch.setattr(sys, "stderr", sys.__stderr__)
     monkeypatch.setattr(logs, "launch_rank", lambda: 0)
-    T.tee_console(str(tmp_path))
+    tee_console(str(tmp_path))
     print("step 1/1 | rank 0 line")
     lines = open(path, encoding="utf-8").read().splitlines()
     assert "rank-1 chatter" not in "\n".join(lines)
@@ -278,7 +286,7 @@ def test_tee_console_keeps_the_log_when_the_terminal_is_gone(tmp_path, monkeypat
     monkeypatch.setattr(sys, "stdout", ClosedTerminal())
     monkeypatch.setattr(sys, "stderr", ClosedTerminal())
     monkeypatch.setattr(logs, "launch_rank", lambda: 0)
-    path = T.tee_console(str(tmp_path))
+    path = tee_console(str(tmp_path))
     print("received SIGHUP: stopping at the end of this step", flush=True)
     sys.stderr.write("saved checkpoint step_00000001\n")
     sys.stderr.flush()

@@ -37,7 +37,7 @@ torch.set_num_threads(1)
 SIZE = 64
 # Boogu edit: the family whose encoder reads images (the part where the two library stacks' numerics differ) and
 # whose requests carry them; Qwen-Image T2I gave bit-identical results across the two environments when measured by
-# hand (docs/WHAT_RAN.md), and is left out to keep this stage within its CI budget.
+# hand (docs/lab/WHAT_RAN.md), and is left out to keep this stage within its CI budget.
 FAMILIES = ("boogu_image_edit",)
 
 

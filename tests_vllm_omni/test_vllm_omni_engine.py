@@ -551,7 +551,7 @@ def test_unbindable_adapter_fails_closed_with_a_clear_error(tiny_models, vllm_cp
 def _boogu_pipeline(model, monkeypatch) -> vp.RLBooguImagePipeline:
     """RLBooguImagePipeline with the tiny components in the stock attribute slots (`mllm`, `processor`, `vae`,
     `transformer`); the port's RoPE table is replaced by the tiny model's (its transformer is ours, not the port)."""
-    from data_prep.prompts import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
+    from models.boogu_image import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
 
     pipe = vp.RLBooguImagePipeline.__new__(vp.RLBooguImagePipeline)
     nn.Module.__init__(pipe)

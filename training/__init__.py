@@ -1,6 +1,9 @@
 """Shared training plumbing for `train_nft.py` and `train_dppo.py`: one implementation of each piece, no framework.
 
-One module per section, read in this order (`import training as T` gives every public name):
+The package exports only what the two trainers and the user scripts (`scripts/sample.py`, `scripts/evaluate.py`,
+`scripts/export_adapter.py`) call, as `import training as T` then `T.name` (at most 40 names, checked by
+tests/test_architecture.py). Everything else is imported from the module that defines it, e.g.
+`from training.optim import GradStepper`. One module per section, read in this order:
 
 1. `distributed.py`: `init_distributed` (torchrun env vars; NCCL on GPU, gloo on CPU; a 1-process group without
    torchrun), rank helpers, `seed_everything`, node-local rank 0 (the rollout group is started once per node).
@@ -36,91 +39,64 @@ One module per section, read in this order (`import training as T` gives every p
    micro-steps, gzipped, with the settings and trace files of the leaf module `engines/profiler.py`, whose `step_profiler`
    the rollout workers use) and `profile_table`, the pure per-phase table of device busy / idle time, host reads,
    memory copies (and what issued them) and top kernels.
-15. `run.py`: `setup_run` / `Run`, the setup both trainers do before their loop and the tail of every step (log,
-   validate, checkpoint, the divergence stop), the SIGTERM/SIGINT/SIGHUP and --max_wall_time_s stops at a step boundary,
-   the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, so each
-   trainer file holds only its algorithm.
+15. `run.py`: `setup_run` (one named phase per line) / `Run`, the setup both trainers do before their loop and the
+   tail of every step (log, validate, checkpoint, the divergence stop), the stops at a step boundary on a signal or
+   --max_wall_time_s, the last finished step written at once on a signal, a fatal judge / rollout error or the
+   agent's death, so each trainer file holds only its algorithm.
 16. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you
    mean" for a misspelt flag), the traceback goes to `<output_dir>/train.log`.
 17. `lifecycle.py`: one live run per --output_dir (an advisory lock file), the parent watchdog of the ranks (no
-   orphans when the torchrun agent dies), heartbeats that name a frozen rank.
+   orphans when the torchrun agent dies), heartbeats that name a frozen rank, the stop signals (`StopSignals`).
 """
 
 from __future__ import annotations
 
-# 1. process group, ranks, seeding, collective failure relay
-from .distributed import (DistInfo, init_distributed, cleanup_distributed, get_rank, launch_rank, get_world_size,
-                          get_local_rank, is_main_process, is_local_main_process, barrier, all_gather_cat,
-                          seed_everything, RankFailed, raise_if_any_rank_failed, on_rank0, collective_timeout_s,
-                          COLLECTIVE_TIMEOUT_MARGIN_S, scores_http_judge)
-# 2. LoRA adapters, activation checkpointing, FSDP2 sharding, adapter tensors
-from .model import (ADAPTER_DEFAULT, ADAPTER_OLD, adapter_params, add_lora_adapters, use_adapter,
-                    apply_activation_checkpointing, checkpointed_block_indices, mixed_precision_policy,
-                    base_weight_dtype, cast_frozen_base_, FSDP_MODES, shard_transformer, ComputeDtypeLinear,
-                    place_on_one_rank,
-                    prepare_transformer, adapter_state_dict, load_adapter_state_, save_adapter_dir,
-                    adapter_config_dict, load_flow_model)
-# 3. AdamW, lr schedules, the checked optimizer step, the `old` adapter refresh
-from .optim import (build_optimizer, LR_SCHEDULES, lr_multiplier, build_lr_scheduler, lr_scheduler_state,
-                    load_lr_scheduler_state_, GradStepper, ema_adapter_, adapters_equal, old_policy_refresh)
-# 4. the resumable prompt sampler, the update's mini- and micro-batches
-from .data import SamplerBatch, PromptSampler, micro_batches, mini_batches
-# 5. the resume policy and its fingerprints; atomic checkpoints and integrity; the model-free resume decision
-from .resume_policy import (RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, RESUME_MUTABLE_KEYS, config_fingerprint,
-                            content_fingerprints, path_fingerprint, sha256_file)
-from .checkpoint import (CheckpointError, read_adapter_dir, read_verified_adapter, adapter_checkpoint, MARKER,
-                         CHECKPOINT_FORMAT, library_versions, optimizer_full_state, load_optimizer_full_state_,
-                         save_checkpoint, GatheredState, gather_checkpoint, write_checkpoint, save_gathered,
-                         find_latest, verify_checkpoint, clean_orphans, check_resume_config, load_checkpoint,
-                         unverified_adapter_line, earlier_verified_checkpoint, earlier_adapter_advice,
-                         verified_run_config, run_settings, explicit_flags, set_defaults_from_checkpoint,
-                         read_run_config)
-from .resume import ResumePlan, prepare_resume
-# 6. TensorBoard, metric reduction, image grids, timers, run metadata, the console log
-from .logs import (TensorBoardLogger, WandbLogger, WandbSetupError, WANDB_RUN_ID_FILE, MetricAccumulator,
-                   reward_metrics, validation_metrics, timer, image_grid, sample_caption, rollout_grid, prompt_text,
-                   all_gather_objects, gather_first_images, Progress, git_commit, write_run_metadata, tee_console,
-                   log_only,
-                   log_time, run_summary, LOG_FILE, HelpFormatter, console_log_path, discard_console_log)
-# 7. throughput, MFU per phase, peak memory: one call per trainer step
-from .perf import (perf_metrics, PEAK_TFLOPS_ENV, device_peak_flops, rollout_device_count, transformer_flops,
-                   phase_perf_metrics, nft_perf_metrics, dppo_perf_metrics)
+# 1. process group
+from .distributed import init_distributed, cleanup_distributed
+# 2. the named LoRA adapters and the switch between them
+from .model import ADAPTER_DEFAULT, ADAPTER_OLD, use_adapter
+# 3. the `old` adapter refresh
+from .optim import adapters_equal, old_policy_refresh
+# 4. the update's mini- and micro-batches
+from .data import micro_batches, mini_batches
+# 5. checkpoint errors, adapter provenance, a run's flags as the scripts' defaults
+from .checkpoint import CheckpointError, unverified_adapter_line, set_defaults_from_checkpoint
+# 6. metric accumulation, timers, image grids, gathers over ranks, the help formatter
+from .logs import (MetricAccumulator, timer, image_grid, prompt_text, all_gather_objects, gather_first_images,
+                   HelpFormatter)
+# 7. one perf call per trainer step
+from .perf import nft_perf_metrics, dppo_perf_metrics
 # 8. the shared flags and their model-free checks, the run's CFG scale
-from .flags import (add_common_args, resolve_device, resolve_cfg_scale, run_dir_cfg_scale, check_batch_sizes,
-                    parse_lora_init, check_rollout_lag, set_defaults_from_model_folder)
-# 9. rewards of a rollout (scored while it samples), the judge's reply log, global advantages
-from .scoring import (score_inputs, score_samples, nonfinite_rows, score_finite, RewardStream, JUDGE_LOG,
-                      JudgeNotReading, JudgeReplyCounts, judge_reply_counts, judge_records, log_judge_replies,
-                      append_judge_log,
-                      global_advantages)
+from .flags import (add_common_args, resolve_device, run_dir_cfg_scale, check_rollout_lag,
+                    set_defaults_from_model_folder)
+# 9. global advantages
+from .scoring import global_advantages
 # 10. one training rollout: request, submission, collection with its checks, the lagged look-ahead
-from .rollouts import (rollout_request, submit_rollout, rollout_and_score, log_rollout_images, peek_batch,
-                       lag_next_rollout)
-# 11. the rollout policy's sync to the workers, adapter folders, --init_adapter
-from .adapters import (sync_rollout_adapter, prune_rollout_adapters, clean_rollout_adapters, publish_adapter_tensors,
-                       publish_tensors, resolve_adapter_dir, verify_adapter_spec, adapter_arg, init_adapter_mismatch,
-                       load_init_adapter)
+from .rollouts import rollout_request, submit_rollout, rollout_and_score, peek_batch, lag_next_rollout
+# 11. adapter folders a flag names
+from .adapters import verify_adapter_spec, adapter_arg
 # 12. validation: in training and in scripts/evaluate.py
-from .validation import ValidationOutcome, run_validation, validate
-# 13. model-free start-up checks
-from .preflight import (PreflightError, run_preflight, check_flags, check_datasets, check_rewards, check_output_dir,
-                        probe_judge, rewards_used, check_reward_signs, check_rollout_devices, check_init_adapter,
-                        truncated_prompts)
-# 14. torch.profiler trace of one trainer step and its per-phase table
-from .profiling import (ProfileWindow, PhaseRow, KernelRow, LauncherRow, ProfileTable, profile_table,
-                        format_profile_table, PHASE_PREFIX, WINDOW_PHASE, STEP_PHASE)
-# 15. setup_run / Run: the setup and the tail of every step
-from .run import Run, setup_run, StopSignals, TrainingDiverged, prepare_output_dir, FATAL_SAVE_EXCLUDED
+from .validation import run_validation
+# 15. the setup and the tail of every step
+from .run import setup_run
 # 16. the trainers' command line
-from .cli import ArgumentParser, run_cli, suggest_flags, one_line_error
-# 17. run lock, parent watchdog, heartbeats
-from .lifecycle import (RUN_LOCK, RunLockError, RunLock, pid_alive, describe_holder, watch_parent, silent_ranks,
-                        describe_silent, start_heartbeats, install_collective_explainer, collective_explanation,
-                        HEARTBEAT_STALE_S, run_lock_held, STOP_SIGNALS, StoppedBySignal, stop_at_once_on_signals,
-                        signal_stop_line, DISK_FULL_ERRNOS, is_disk_full, free_space_text, disk_full_line)
+from .cli import ArgumentParser, run_cli
 
-# every public name above, module by module (each module's own __all__)
-__all__ = [name for module in (distributed, model, optim, data, resume_policy, checkpoint, resume,  # noqa: F821
-                               logs, perf, flags, scoring, rollouts, adapters, validation, preflight, profiling, run,
-                               cli, lifecycle)
-           for name in module.__all__]
+# what train_nft.py, train_dppo.py, scripts/sample.py, scripts/evaluate.py and scripts/export_adapter.py call
+__all__ = [
+    "init_distributed", "cleanup_distributed",
+    "ADAPTER_DEFAULT", "ADAPTER_OLD", "use_adapter",
+    "adapters_equal", "old_policy_refresh",
+    "micro_batches", "mini_batches",
+    "CheckpointError", "unverified_adapter_line", "set_defaults_from_checkpoint",
+    "MetricAccumulator", "timer", "image_grid", "prompt_text", "all_gather_objects", "gather_first_images",
+    "HelpFormatter",
+    "nft_perf_metrics", "dppo_perf_metrics",
+    "add_common_args", "resolve_device", "run_dir_cfg_scale", "check_rollout_lag", "set_defaults_from_model_folder",
+    "global_advantages",
+    "rollout_request", "submit_rollout", "rollout_and_score", "peek_batch", "lag_next_rollout",
+    "verify_adapter_spec", "adapter_arg",
+    "run_validation",
+    "setup_run",
+    "ArgumentParser", "run_cli",
+]

@@ -219,7 +219,7 @@ def resolve_cfg_scale(family: str, args, default: float | None = None) -> float:
     --true_cfg_scale for Qwen-Image; the other family's flag is a ValueError), else `default` (a trainer's own
     default for the family, e.g. train_nft.py's `CFG_SCALE_DEFAULTS`), else the model's
     (`models.base.DEFAULT_CFG_SCALE`). `setup_run` stores the result as `args.cfg_scale` (in the run's config)."""
-    from models.base import cfg_scale
+    from models import cfg_scale
 
     return cfg_scale(family, args.guidance_scale, args.true_cfg_scale, default=default)
 
@@ -229,7 +229,7 @@ def run_dir_cfg_scale(family: str, args) -> float:
     else the --run_dir run's recorded one (`args.run_cfg_scale`, its config's cfg_scale), else (no --run_dir) the
     model's default. A --run_dir run that recorded none (written by an older version) and no explicit flag is a
     ValueError naming the flag to pass, never a silent default: such a run may have sampled without CFG."""
-    from models.base import cfg_argument
+    from models import cfg_argument
 
     own = cfg_argument(family)
     if args.run_dir and args.run_cfg_scale is None and getattr(args, own) is None:

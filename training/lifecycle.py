@@ -3,7 +3,8 @@
 exits, and its rollout workers die with it through their parent-death signal, `engines.worker._die_with_parent`), and a
 frozen rank named (`start_heartbeats`, `install_collective_explainer`: heartbeat files under
 <output_dir>/.heartbeats), a stop signal during the start-up ended at once in one line (`stop_at_once_on_signals`,
-`StoppedBySignal`), and a full disk named as one, whatever error it surfaced as (`disk_full_line`)."""
+`StoppedBySignal`), one during training at the next step boundary (`StopSignals`), and a full disk named as one,
+whatever error it surfaced as (`disk_full_line`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Any, Callable, Sequence
 __all__ = ["RUN_LOCK", "RunLockError", "RunLock", "pid_alive", "describe_holder", "watch_parent", "silent_ranks",
            "describe_silent", "start_heartbeats", "install_collective_explainer", "collective_explanation",
            "HEARTBEAT_STALE_S", "run_lock_held", "STOP_SIGNALS", "StoppedBySignal", "stop_at_once_on_signals",
-           "signal_stop_line", "DISK_FULL_ERRNOS", "is_disk_full", "free_space_text", "disk_full_line"]
+           "signal_stop_line", "StopSignals", "say_from_thread", "DISK_FULL_ERRNOS", "is_disk_full",
+           "free_space_text", "disk_full_line"]
 
 RUN_LOCK = "RUN_LOCK"
 
@@ -312,6 +314,84 @@ def install_collective_explainer(output_dir: str, world: int, *, stale_s: float 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+# STOP_SIGNALS (lifecycle.py) stop a run at a step boundary with a checkpoint: a scheduler's SIGTERM, a terminal's
+# Ctrl-C (SIGINT) and a closed terminal or SSH session (SIGHUP, which torchrun forwards to the ranks like the other
+# two); during the start-up, before any step, they end it at once (`stop_at_once_on_signals`)
+
+
+class StopSignals:
+    """SIGTERM / SIGINT / SIGHUP on a trainer rank: the first asks for a stop at the next step boundary (`Run.steps`: every
+    rank stops at the same step, with a checkpoint); a repeat more than 3 s later (an operator's second Ctrl-C)
+    stops at once without one. Repeats within 3 s are the same request: torchrun forwards a terminal Ctrl-C that
+    the ranks also received directly."""
+
+    def __init__(self, announce: bool = True) -> None:
+        self.signum = 0
+        self.received_at: float | None = None
+        self.announce = announce
+        self.on_signal: Any = None  # called once, from a helper thread, the moment the first stop signal lands
+
+    def install(self, on_signal: Any = None) -> "StopSignals":
+        """Handle the `STOP_SIGNALS` (main thread only). `on_signal(signum)`, when given, runs in a daemon thread as
+        soon as the first one arrives, even while the main thread is blocked in C code (a collective, a long
+        forward): Python runs signal handlers only between bytecodes of the main thread, but the C-level handler
+        writes the signal number to `signal.set_wakeup_fd`'s socket at once, which that thread reads."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        if on_signal is not None:
+            self.on_signal = on_signal
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (reader, writer)  # kept alive with the handler
+            watcher = threading.Thread(target=self._watch, args=(reader,), name="stop-signal", daemon=True)
+            watcher.start()
+            atexit.register(self._close_wakeup, watcher)  # joined before the interpreter finalizes (lifecycle.py)
+        return self
+
+    def _close_wakeup(self, watcher: threading.Thread) -> None:
+        """At exit: stop the wake-up socket (its reader then sees EOF and the watcher thread returns), join it."""
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:  # not the main thread
+            pass
+        self._wakeup[1].close()
+        watcher.join(5.0)
+
+    def _watch(self, reader: socket.socket) -> None:
+        while True:
+            data = reader.recv(64)
+            if not data:
+                return
+            for signum in data:
+                if signum in STOP_SIGNALS:
+                    self.on_signal(signum)
+                    return
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.signum and now - self.received_at > 3.0:
+            if self.announce:
+                os.write(2, f"second {name}: stopping now, without a checkpoint; resume with --resume auto\n".encode())
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if not self.signum:
+            self.signum, self.received_at = signum, now
+            if self.announce:  # os.write: print() is not safe inside a signal handler
+                os.write(2, f"received {name}: stopping at the end of this step, with a checkpoint (send it again "
+                            f"after 3 s to stop at once)\n".encode())
+
+
+def say_from_thread(line: str, stream) -> None:
+    """Print `line` from a helper thread (not a signal handler); a closed console (a dead launcher) is ignored."""
+    try:
+        print(line, file=stream, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 class StoppedBySignal(BaseException):
     """A stop signal during the start-up (flags, checks, model load, rollout workers), before any step ran: there is
     nothing to save, so the start-up ends at once; `training.cli.run_cli` prints one line and exits with 128 + the
@@ -334,7 +414,7 @@ def stop_at_once_on_signals(repeat_after_s: float = 3.0) -> None:
     main thread, wherever it is (a model load, a wait for the rollout workers); repeats within `repeat_after_s`
     are the same request (torchrun forwards a terminal's Ctrl-C that the ranks also received), a later one (an
     operator's second Ctrl-C while the stop is still unwinding) ends the process at once by that signal.
-    `training.run.StopSignals` replaces these handlers once the training loop can stop at a step boundary."""
+    `StopSignals` replaces these handlers once the training loop can stop at a step boundary."""
     first: list[float] = []
 
     def handle(signum: int, frame) -> None:

@@ -462,9 +462,9 @@ def load_flow_model(path: str, args, device: torch.device):
     the frozen weights on the GPU; fp32 on CPU or with --base_weights_dtype fp32). The wrapper still hands the
     transformer fp32 inputs (`model.dtype = float32`), so timesteps, latents and embeddings are rounded exactly as
     before: FSDP2's policy casts them to the compute dtype at the root, as it did with fp32 weights."""
-    from models import load_model, model_family
+    from models import family_class, load_model, model_family
 
-    kwargs = {"max_sequence_length": args.max_sequence_length} if model_family(path) == "qwen_image" else {}
+    kwargs = family_class(model_family(path)).load_kwargs(args)  # e.g. Qwen-Image's --max_sequence_length
     storage = base_weight_dtype(device, args.precision, args.base_weights_dtype)
     # Loaded on the CPU: `prepare_transformer`'s fully_shard moves one block at a time to `device` and shards it,
     # so no GPU ever holds the whole transformer. The wrapper's inputs go to `device`.

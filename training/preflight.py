@@ -147,17 +147,17 @@ def check_init_adapter(args) -> None:
 
 
 def truncated_prompts(args, family: str) -> dict[str, Any] | None:
-    """Qwen-Image cuts each prompt to --max_sequence_length tokens after its template prefix: count the rows of
-    --train_files / --val_files that get cut (the tokenizer only, no model). Returns {"count", "total", "rows"
-    (the first few "file:row"), "longest"} when any is cut, else None; Boogu-Image does not truncate."""
-    if family != "qwen_image":
+    """A family that cuts prompts to --max_sequence_length tokens (Qwen-Image, after its template prefix:
+    `FlowModel.prompt_token_counter`): count the rows of --train_files / --val_files that get cut (the tokenizer
+    only, no model). Returns {"count", "total", "rows" (the first few "file:row"), "longest"} when any is cut, else
+    None; None too for a family that does not truncate (Boogu-Image)."""
+    from models import family_class, resolve_model_path
+
+    prompt_token_lengths = family_class(family).prompt_token_counter(resolve_model_path(args.model_path))
+    if prompt_token_lengths is None:
         return None
     from data_prep.dataset import PromptDataset
-    from models import resolve_model_path
-    from models.qwen_image import prompt_token_lengths
-    from transformers import Qwen2Tokenizer
 
-    tokenizer = Qwen2Tokenizer.from_pretrained(os.path.join(resolve_model_path(args.model_path), "tokenizer"))
     cut: list[str] = []
     total, longest = 0, 0
     for flag in ("train_files", "val_files"):
@@ -167,7 +167,7 @@ def truncated_prompts(args, family: str) -> dict[str, Any] | None:
         data = PromptDataset(path, guidance=False)
         for first in range(0, len(data), 256):
             rows = range(first, min(first + 256, len(data)))
-            lengths = prompt_token_lengths(tokenizer, [data[i].prompt for i in rows])
+            lengths = prompt_token_lengths([data[i].prompt for i in rows])
             total += len(lengths)
             for i, n in zip(rows, lengths):
                 if n > args.max_sequence_length:

@@ -19,8 +19,8 @@ from models.base import attention_backend
 
 from .distributed import (RankFailed, cleanup_distributed, collective_timeout_s, get_rank, init_distributed,
                           on_rank0, raise_if_any_rank_failed, seed_everything)
-from .lifecycle import (STOP_SIGNALS, RunLock, RunLockError, install_collective_explainer, start_heartbeats,
-                        stop_at_once_on_signals, watch_parent)
+from .lifecycle import (RunLock, RunLockError, StopSignals, install_collective_explainer, say_from_thread,
+                        start_heartbeats, stop_at_once_on_signals, watch_parent)
 from .preflight import PreflightError, check_flags, run_preflight
 from .profiling import ProfileWindow
 from .model import ADAPTER_DEFAULT, adapter_params, load_flow_model, prepare_transformer
@@ -38,7 +38,7 @@ from .flags import check_batch_sizes, parse_lora_init, resolve_device
 from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter
 from .validation import validate
 
-__all__ = ["Run", "setup_run", "StopSignals", "TrainingDiverged", "prepare_output_dir", "FATAL_SAVE_EXCLUDED"]
+__all__ = ["Run", "setup_run", "TrainingDiverged", "prepare_output_dir", "FATAL_SAVE_EXCLUDED"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -47,84 +47,6 @@ class TrainingDiverged(RuntimeError):
 
 # errors in the state itself: no checkpoint is written from it on the way out (see `Run.fail_with_checkpoint`)
 FATAL_SAVE_EXCLUDED: tuple[type, ...] = (TrainingDiverged, CheckpointError)
-
-
-# STOP_SIGNALS (lifecycle.py) stop a run at a step boundary with a checkpoint: a scheduler's SIGTERM, a terminal's
-# Ctrl-C (SIGINT) and a closed terminal or SSH session (SIGHUP, which torchrun forwards to the ranks like the other
-# two); during the start-up, before any step, they end it at once (`stop_at_once_on_signals`)
-
-
-class StopSignals:
-    """SIGTERM / SIGINT / SIGHUP on a trainer rank: the first asks for a stop at the next step boundary (`Run.steps`: every
-    rank stops at the same step, with a checkpoint); a repeat more than 3 s later (an operator's second Ctrl-C)
-    stops at once without one. Repeats within 3 s are the same request: torchrun forwards a terminal Ctrl-C that
-    the ranks also received directly."""
-
-    def __init__(self, announce: bool = True) -> None:
-        self.signum = 0
-        self.received_at: float | None = None
-        self.announce = announce
-        self.on_signal: Any = None  # called once, from a helper thread, the moment the first stop signal lands
-
-    def install(self, on_signal: Any = None) -> "StopSignals":
-        """Handle the `STOP_SIGNALS` (main thread only). `on_signal(signum)`, when given, runs in a daemon thread as
-        soon as the first one arrives, even while the main thread is blocked in C code (a collective, a long
-        forward): Python runs signal handlers only between bytecodes of the main thread, but the C-level handler
-        writes the signal number to `signal.set_wakeup_fd`'s socket at once, which that thread reads."""
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._handle)
-        if on_signal is not None:
-            self.on_signal = on_signal
-            reader, writer = socket.socketpair()
-            writer.setblocking(False)
-            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-            self._wakeup = (reader, writer)  # kept alive with the handler
-            watcher = threading.Thread(target=self._watch, args=(reader,), name="stop-signal", daemon=True)
-            watcher.start()
-            atexit.register(self._close_wakeup, watcher)  # joined before the interpreter finalizes (lifecycle.py)
-        return self
-
-    def _close_wakeup(self, watcher: threading.Thread) -> None:
-        """At exit: stop the wake-up socket (its reader then sees EOF and the watcher thread returns), join it."""
-        try:
-            signal.set_wakeup_fd(-1)
-        except ValueError:  # not the main thread
-            pass
-        self._wakeup[1].close()
-        watcher.join(5.0)
-
-    def _watch(self, reader: socket.socket) -> None:
-        while True:
-            data = reader.recv(64)
-            if not data:
-                return
-            for signum in data:
-                if signum in STOP_SIGNALS:
-                    self.on_signal(signum)
-                    return
-
-    def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        now = time.monotonic()
-        if self.signum and now - self.received_at > 3.0:
-            if self.announce:
-                os.write(2, f"second {name}: stopping now, without a checkpoint; resume with --resume auto\n".encode())
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if not self.signum:
-            self.signum, self.received_at = signum, now
-            if self.announce:  # os.write: print() is not safe inside a signal handler
-                os.write(2, f"received {name}: stopping at the end of this step, with a checkpoint (send it again "
-                            f"after 3 s to stop at once)\n".encode())
-
-
-def _say(line: str, stream) -> None:
-    """Print `line` from a helper thread (not a signal handler); a closed console (a dead launcher) is ignored."""
-    try:
-        print(line, file=stream, flush=True)
-    except (OSError, ValueError):
-        pass
 
 
 @dataclass
@@ -179,7 +101,7 @@ class Run:
         run at this step boundary (`_stop`), so all ranks stop at the same step. --max_wall_time_s counts from the
         first step of this process (set-up, model loading and validation before training excluded), so at least
         one step runs. The loop runs under --attention_backend; with --profile_step the profiler records that step from
-        its start to the end of its first --profile_micro_steps update micro-steps (`training.ProfileWindow`,
+        its start to the end of its first --profile_micro_steps update micro-steps (`training.profiling.ProfileWindow`,
         <output_dir>/profile/trainer-rank<r>.json.gz)."""
         args = self.args
         self.started_at = time.monotonic()
@@ -290,7 +212,8 @@ class Run:
         if self.rank != 0:
             return None
         if not self._save_lock.acquire(timeout=lock_timeout_s):  # the main thread is inside a save of its own
-            _say(f"not saving the last finished step ({why}): a checkpoint save is still in progress", sys.stderr)
+            say_from_thread(f"not saving the last finished step ({why}): a checkpoint save is still in progress",
+                            sys.stderr)
             return None
         try:
             snap = self.snapshot
@@ -300,14 +223,14 @@ class Run:
             try:
                 path = write_checkpoint(self.ckpt_root, snap, keep_last=self.args.keep_last)
             except Exception as e:  # noqa: BLE001 - reported; the caller goes on with its own way out
-                _say(f"could not save the last finished step {snap.step} ({why}): {type(e).__name__}: {e}",
-                     sys.stderr)
+                say_from_thread(f"could not save the last finished step {snap.step} ({why}): "
+                                f"{type(e).__name__}: {e}", sys.stderr)
                 return None
             self.last_saved_step, self.snapshot = snap.step, None
         finally:
             self._save_lock.release()
-        _say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s): step {snap.step}, the last finished "
-             f"step, written at once ({why})", sys.stdout)
+        say_from_thread(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s): step {snap.step}, the last "
+                        f"finished step, written at once ({why})", sys.stdout)
         return path
 
     def _on_signal(self, signum: int) -> None:
@@ -320,8 +243,8 @@ class Run:
         """The parent watchdog: the torchrun agent (pid `old`) died, so no one supervises this rank any more. Write
         the last finished step (rank 0), say so, and exit at once; the rank's rollout workers die with it (their
         parent-death signal)."""
-        _say(f"rank {self.rank}: the torchrun agent (pid {old}) died (parent is now {new}): exiting, and its "
-             f"rollout workers with it", sys.stderr)
+        say_from_thread(f"rank {self.rank}: the torchrun agent (pid {old}) died (parent is now {new}): exiting, "
+                        "and its rollout workers with it", sys.stderr)
         self._write_snapshot(f"the torchrun agent pid {old} died", lock_timeout_s=30.0)
         os._exit(1)
 
@@ -486,44 +409,95 @@ class Run:
 
 
 def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str, float] | None = None) -> Run:
-    """Both trainers' setup, in order: under torchrun, the parent watchdog (a rank whose agent died exits); the
-    model-free start-up checks (`training.preflight`: flags, sizes, the run's CFG scale, every dataset row,
-    --init_adapter, output folder, judge; a refusal exits with its one line), distributed init (collective timeout
-    from the flags); the run lock of --output_dir (`lifecycle.RunLock`, rank 0); the console log file, the heartbeats (several ranks) and seeds;
-    `--resume` decided model-free (`prepare_output_dir`); TensorBoard and run metadata (config, versions, git
-    commit); the model (transformer only), LoRA adapters `adapter_names` + FSDP2 (`default` from --init_adapter when
-    given); AdamW and the lr schedule; train/val data, the sampler and the batch-size checks; the reward scorer;
-    `--resume` (adapters, optimizer, RNG, sampler cursor, grad-skip count, lr schedule); the rollout workers of this
-    node; the SIGTERM/SIGINT/SIGHUP handling (`StopSignals`, with the at-once write of the last finished step). Adapters
-    are NOT yet synced to the workers: the trainer does that with the adapter its algorithm samples from.
+    """Both trainers' setup, one named phase per line, in this order (each phase's docstring says what it does):
+    the start-up guards (a stop signal or the torchrun agent's death before the loop ends the rank at once); the
+    model-free checks and the process group (`start_checks`: a refusal exits with its one line); the run lock of
+    --output_dir, the console log and the heartbeats (`hold_output_dir`); seeds; --rollout_python checked;
+    `--resume` decided model-free (`prepare_output_dir`); TensorBoard (or W&B) and the run metadata (`open_logs`);
+    the model with its LoRA adapters `adapter_names` under FSDP2 (`build_model`); AdamW, the skip-checking step and
+    the lr schedule (`build_optimizer_and_schedule`); the data, the sampler and the batch-size checks
+    (`load_data`); the reward scorer; the checkpoint to resume (`resume_state`); the rollout workers of this node
+    (`start_rollout_workers`); then the `Run` with its SIGTERM/SIGINT/SIGHUP handling (`StopSignals`, with the
+    at-once write of the last finished step). Adapters are NOT yet synced to the workers: the trainer does that
+    with the adapter its algorithm samples from.
     `cfg_defaults`: the trainer's CFG scale per model family where it differs from the model's default
     (`flags.resolve_cfg_scale`); the resolved scale is `args.cfg_scale` (in the run's config) and `Run.cfg_scale`."""
-    from data_prep.dataset import PromptDataset
-    from models import resolve_model_path
     import rewards
-    from rollout import DistributedRollout, check_rollout_python
+    from models import resolve_model_path
+    from rollout import check_rollout_python
 
     config = vars(args)
-    stop_at_once_on_signals()  # a stop signal before the loop: one line, exit 128 + signal (training.cli.run_cli)
-    # under torchrun, a rank whose agent died (kill -9) exits instead of training on unsupervised (`Run._on_orphaned`
-    # once the Run exists; before that, at once)
-    orphaned: list[Any] = [lambda old, new: (_say(f"the torchrun agent (pid {old}) died during start-up: exiting",
-                                                  sys.stderr), os._exit(1))]
+    on_orphaned = guard_start_up()
+    dist_info, found, group_timeout_s = start_checks(args, cfg_defaults)
+    device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
+    run_lock = hold_output_dir(args, found, rank, world)
+    seed_everything(args.seed)
+    rollout_env = check_rollout_python(args.rollout_python, args.rollout_engine) if dist_info.is_local_main \
+        else None                  # model-free, on the rank of each node that starts its rollout workers
+    plan, ckpt_config = prepare_output_dir(args, config, adapter_names)  # --resume decided and checked
+    logger = open_logs(args, config, plan, rollout_env)
+    model_path = resolve_model_path(args.model_path)
+    model, lora_config, num_lora_modules = build_model(args, model_path, device, adapter_names)
+    optimizer, stepper, lr_scheduler = build_optimizer_and_schedule(args, model)
+    train_data, val_data, sampler, mini_prompts = load_data(args, rank, world)
+    scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
+    start_step, last_update_step = resume_state(args, plan, ckpt_config, model, optimizer, stepper, lr_scheduler,
+                                                sampler, adapter_names, rank)
+    rollout = start_rollout_workers(args, model_path, device, group_timeout_s, start_step, rank)
+    run = Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
+              adapter_names=tuple(adapter_names), lora_config=lora_config,
+              num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
+              val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
+              ckpt_root=os.path.join(args.output_dir, "checkpoints"),
+              adapters_root=os.path.join(args.output_dir, "rollout_adapters"),
+              start_step=start_step, progress=Progress(args.total_training_steps, start_step),
+              lr_scheduler=lr_scheduler, ckpt_config=ckpt_config, stop_signals=StopSignals(rank == 0),
+              last_update_step=last_update_step, _applied_seen=stepper.applied_steps,
+              _skipped_seen=stepper.skipped_steps, run_lock=run_lock if rank == 0 else None)
+    run.stop_signals.install(on_signal=run._on_signal)
+    on_orphaned[0] = run._on_orphaned
+    return run
+
+
+def guard_start_up() -> list[Any]:
+    """A stop signal before the loop ends the rank with one line and exit 128 + signal (training.cli.run_cli);
+    under torchrun, a rank whose agent died (kill -9) exits instead of training on unsupervised. Returns the
+    one-element list holding the orphan handler, which `setup_run` replaces with `Run._on_orphaned` once the Run
+    exists (it writes the last finished step first)."""
+    stop_at_once_on_signals()
+
+    def die(old: int, new: int) -> None:
+        say_from_thread(f"the torchrun agent (pid {old}) died during start-up: exiting", sys.stderr)
+        os._exit(1)
+
+    on_orphaned: list[Any] = [die]
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        watch_parent(lambda old, new: orphaned[0](old, new))
-    # model-free checks first (training/preflight.py): flags on every rank, then inputs, output folder and judge on
-    # rank 0, its error raised on every rank; the process groups time out only after every phase's own timeout
-    # first, so that the traceback of any start-up error goes to <output_dir>/train.log (training.cli.run_cli), held
-    # in memory until this run holds the folder's run lock: a run refused by it never writes into the live run's log
+        watch_parent(lambda old, new: on_orphaned[0](old, new))
+    return on_orphaned
+
+
+def start_checks(args, cfg_defaults: Mapping[str, float] | None) -> tuple[Any, dict[str, Any], float]:
+    """The model-free checks (training/preflight.py) around the process group's start: the flags on every rank,
+    then inputs, output folder and judge on rank 0, its error raised on every rank. The process groups time out
+    only after every phase's own timeout, so that the traceback of any start-up error goes to
+    <output_dir>/train.log (training.cli.run_cli), held in memory until this run holds the folder's run lock: a
+    run refused by it never writes into the live run's log. Sets `args.cfg_scale`, the run's one CFG scale
+    (recorded in its config). Returns (the DistInfo, preflight's findings, the collective timeout)."""
     tee_console(args.output_dir, hold=True)
     check_flags(args, int(os.environ.get("WORLD_SIZE", "1")))
     group_timeout_s = collective_timeout_s(args)  # the main group's and the rollout node subgroups'
     dist_info = init_distributed(resolve_device(args.device), timeout_s=group_timeout_s)
-    device, rank, world = dist_info.device, dist_info.rank, dist_info.world_size
-    found = on_rank0(lambda: run_preflight(args, world, cfg_defaults=cfg_defaults), catch=(ValueError, OSError),
-                     exc_type=PreflightError)
-    args.cfg_scale = found["cfg_scale"]  # the run's one CFG scale, resolved once (recorded in its config)
-    # one live run per --output_dir (before the console log, TensorBoard, the resume tidying or any model)
+    found = on_rank0(lambda: run_preflight(args, dist_info.world_size, cfg_defaults=cfg_defaults),
+                     catch=(ValueError, OSError), exc_type=PreflightError)
+    args.cfg_scale = found["cfg_scale"]
+    return dist_info, found, group_timeout_s
+
+
+def hold_output_dir(args, found: Mapping[str, Any], rank: int, world: int) -> RunLock | None:
+    """One live run per --output_dir: the run lock (`lifecycle.RunLock`, rank 0; before the console log,
+    TensorBoard, the resume tidying or any model), then <output_dir>/train.log (rank 0's console and every rank's
+    errors, the held lines first), the heartbeats that name a frozen rank (several ranks), and rank 0's report of
+    the start-up checks (with the prompts the text encoder will cut). Returns the lock (rank 0)."""
     ranks = all_gather_objects({"host": socket.gethostname(), "pid": os.getpid()})
     try:
         run_lock = on_rank0(lambda: RunLock.acquire(args.output_dir, ranks=ranks), catch=(RunLockError, OSError),
@@ -533,13 +507,13 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
         raise
     if rank == 0:  # a start-up that ends (an error, a stop signal) leaves the lock empty, like a clean end does
         atexit.register(run_lock.release)
-    tee_console(args.output_dir)  # <output_dir>/train.log: rank 0's console + every rank's errors, held lines first
+    tee_console(args.output_dir)
     if world > 1:  # a rank frozen (SIGSTOP) or hung is named by rank 0, and in a collective's timeout error
-        start_heartbeats(args.output_dir, rank, world, say=lambda line: _say(line, sys.stdout))
+        start_heartbeats(args.output_dir, rank, world, say=lambda line: say_from_thread(line, sys.stdout))
         install_collective_explainer(args.output_dir, world)
-    if rank == 0 and run_lock.message:
-        print(run_lock.message, flush=True)
     if rank == 0:
+        if run_lock.message:
+            print(run_lock.message, flush=True)
         probe = f", judge answered in {found['judge_probe_s']:.2f} s" if "judge_probe_s" in found else ""
         print(f"preflight: flags, {found['family']} size {args.height}x{args.width}, every dataset row, rewards "
               f"{', '.join(found['rewards'])}, output folder ok{probe}", flush=True)
@@ -549,11 +523,13 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
                   f"{args.max_sequence_length} tokens (the longest {cut['longest']}) and are cut to it by the text "
                   f"encoder (e.g. {', '.join(cut['rows'])}); raise --max_sequence_length (up to 1024) or shorten "
                   f"them", flush=True)
-    seed_everything(args.seed)
-    # --rollout_python, model-free, on the rank of each node that will start its rollout workers
-    rollout_env = check_rollout_python(args.rollout_python, args.rollout_engine) if dist_info.is_local_main \
-        else None
-    plan, ckpt_config = prepare_output_dir(args, config, adapter_names)  # model-free: --resume decided and checked
+    return run_lock
+
+
+def open_logs(args, config: Mapping[str, Any], plan: ResumePlan, rollout_env) -> TensorBoardLogger | WandbLogger:
+    """TensorBoard under <output_dir>/tensorboard (a resume purges the steps after its checkpoint), mirrored to W&B
+    with --logger wandb (a refusal there is a start-up refusal, on every rank), and run_metadata.json (config,
+    seeds, versions, git commit, the rollout environment)."""
     logger: TensorBoardLogger | WandbLogger = TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"),
                                                                 purge_step=plan.purge_step)
     if args.logger == "wandb":  # mirrors to W&B; the TensorBoard files are written all the same
@@ -564,9 +540,14 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
             raise PreflightError(str(e)) from None
     write_run_metadata(args.output_dir, config, seeds={"seed": args.seed, "val_seed": args.val_seed}, logger=logger,
                        rollout_env=rollout_env)
+    return logger
 
-    model_path = resolve_model_path(args.model_path)
-    if rank == 0:
+
+def build_model(args, model_path: str, device: torch.device, adapter_names) -> tuple[Any, Any, int]:
+    """The transformer (the trainer ranks never encode or decode), its LoRA adapters `adapter_names` on the
+    targets, FSDP2, activation checkpointing and --compile (`prepare_transformer`), `default` from --init_adapter
+    when given. Returns (the model wrapper, the LoRA config, the number of LoRA modules the workers must bind)."""
+    if get_rank() == 0:
         print(f"loading the transformer from {model_path}", flush=True)
     model = load_flow_model(model_path, args, device)
     targets = args.lora_target_modules.split(",") if args.lora_target_modules else list(model.default_lora_targets)
@@ -579,34 +560,58 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
         compile=args.compile, compile_prefixes=model.blocks_to_compile)
     num_lora_modules = len(lora.lora_layers(model.transformer, ADAPTER_DEFAULT))
     load_init_adapter(model.transformer, args.init_adapter, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                      expected_modules=num_lora_modules)  # --init_adapter (a no-op without it)
+                      expected_modules=num_lora_modules)  # a no-op without --init_adapter
+    return model, lora_config, num_lora_modules
+
+
+def build_optimizer_and_schedule(args, model) -> tuple[torch.optim.Optimizer, GradStepper, Any]:
+    """AdamW over the `default` adapter, the optimizer step that skips a non-finite one (`GradStepper`, with
+    --max_grad_norm clipping) and the lr schedule (stepped once per RL step)."""
     optimizer = build_optimizer(model.transformer, lr=args.lr, weight_decay=args.weight_decay,
                                 betas=tuple(float(b) for b in args.adam_betas.split(",")))
     stepper = GradStepper(args.max_grad_norm)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.lr_scheduler, warmup_steps=args.lr_warmup_steps,
                                       total_steps=args.total_training_steps, min_lr_ratio=args.min_lr_ratio)
+    return optimizer, stepper, lr_scheduler
+
+
+def load_data(args, rank: int, world: int) -> tuple[Any, Any, PromptSampler, int]:
+    """The train and validation prompts (with negatives when CFG is on), this rank's shard of the resumable prompt
+    sampler, and the prompts per optimizer step, checked against the other batch sizes and the world size."""
+    from data_prep.dataset import PromptDataset
 
     train_data = PromptDataset(args.train_files, guidance=args.cfg_scale > 1.0)
     val_data = PromptDataset(args.val_files, guidance=args.cfg_scale > 1.0) if args.val_files else None
     sampler = PromptSampler(len(train_data), args.train_batch_size, seed=args.seed, rank=rank, world_size=world)
     mini_prompts = args.ppo_mini_batch_size or args.train_batch_size
     check_batch_sizes(args.train_batch_size, mini_prompts, args.rollout_n, args.micro_batch_size, world)
-    scorer = rewards.RewardScorer(rewards.RewardConfig.from_args(args))
+    return train_data, val_data, sampler, mini_prompts
 
-    start_step, last_update_step = 0, 0
-    ckpt_root = os.path.join(args.output_dir, "checkpoints")
-    if plan.path:  # sha256 and config were checked by prepare_output_dir
-        state = load_checkpoint(plan.path, transformer=model.transformer, optimizer=optimizer, config=ckpt_config,
-                                sampler=sampler, adapter_names=adapter_names, force=args.resume_force,
-                                verify_sha256=False)
-        start_step = state["step"]
-        stepper.load_state_dict(state["trainer_state"]["grad_stepper"])
-        load_lr_scheduler_state_(lr_scheduler, state["trainer_state"].get("lr_scheduler"))
-        last_update_step = int(state["trainer_state"]["last_update_step"])
-        if rank == 0:
-            print(f"resumed from {plan.path} at step {start_step}", flush=True)
 
-    if rank == 0:  # the workers load the whole pipeline: this can take a while, say so
+def resume_state(args, plan: ResumePlan, ckpt_config: Mapping[str, Any], model, optimizer, stepper: GradStepper,
+                 lr_scheduler, sampler: PromptSampler, adapter_names, rank: int) -> tuple[int, int]:
+    """The checkpoint `prepare_output_dir` chose (sha256 and config already checked), loaded exactly: adapters,
+    optimizer, every rank's RNG, the sampler cursor, the skip counts and the lr schedule. Returns (the step to
+    continue after, the last step whose update was applied); (0, 0) for a fresh run."""
+    if not plan.path:
+        return 0, 0
+    state = load_checkpoint(plan.path, transformer=model.transformer, optimizer=optimizer, config=ckpt_config,
+                            sampler=sampler, adapter_names=adapter_names, force=args.resume_force,
+                            verify_sha256=False)
+    stepper.load_state_dict(state["trainer_state"]["grad_stepper"])
+    load_lr_scheduler_state_(lr_scheduler, state["trainer_state"].get("lr_scheduler"))
+    if rank == 0:
+        print(f"resumed from {plan.path} at step {state['step']}", flush=True)
+    return state["step"], int(state["trainer_state"]["last_update_step"])
+
+
+def start_rollout_workers(args, model_path: str, device: torch.device, group_timeout_s: float, start_step: int,
+                          rank: int):
+    """This node's rollout workers (`rollout.DistributedRollout`: the whole pipeline on --rollout_devices, which
+    can take a while, so rank 0 says so)."""
+    from rollout import DistributedRollout
+
+    if rank == 0:
         print(f"rollout: starting the workers of each node ({args.rollout_engine} engine on {args.rollout_devices})",
               flush=True)
     started = time.monotonic()
@@ -622,19 +627,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
                                  profile_generate=max(0, args.profile_step - start_step))
     if rank == 0:
         print(f"rollout: the workers are ready ({time.monotonic() - started:.1f} s)", flush=True)
-    run = Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
-               adapter_names=tuple(adapter_names), lora_config=lora_config,
-               num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
-               val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
-               ckpt_root=ckpt_root, adapters_root=os.path.join(args.output_dir, "rollout_adapters"),
-               start_step=start_step, progress=Progress(args.total_training_steps, start_step),
-               lr_scheduler=lr_scheduler,
-               ckpt_config=ckpt_config, stop_signals=StopSignals(rank == 0),
-               last_update_step=last_update_step, _applied_seen=stepper.applied_steps,
-               _skipped_seen=stepper.skipped_steps, run_lock=run_lock if rank == 0 else None)
-    run.stop_signals.install(on_signal=run._on_signal)
-    orphaned[0] = run._on_orphaned
-    return run
+    return rollout
 
 
 def prepare_output_dir(args, config: Mapping[str, Any], adapter_names) -> tuple[ResumePlan, dict[str, Any]]:
