@@ -1,5 +1,5 @@
-"""A tiny stand-in for a flow transformer (3 blocks under `blocks`, embedders outside), for tests/test_training.py
-and its torchrun worker. Module names mirror the real models' LoRA targets (`to_q`, `ff`)."""
+"""A tiny stand-in for a flow transformer (3 blocks under `blocks`, embedders outside), for the tests/test_training_*.py
+files and their torchrun worker. Module names mirror the real models' LoRA targets (`to_q`, `ff`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_training.py::test_fsdp2_lora_two_ranks (not collected by pytest).
+"""torchrun worker for tests/test_training_distributed.py::test_fsdp2_lora_two_ranks (not collected by pytest).
 
 Runs on CPU/gloo under `torchrun --nproc_per_node=2`: LoRA ("default" + "old") + activation checkpointing + FSDP2
 on a tiny model, two optimizer steps on per-rank data shards, metric reduction, the old-adapter copy, an atomic

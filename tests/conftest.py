@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the tiny checkpoints (built once per session, cached) and single-threaded torch."""
+"""Shared pytest fixtures: the tiny checkpoints (built once per session, cached), single-threaded torch, and for the
+tests/test_training_*.py files a 1-process gloo group and a trained tiny checkpoint (tests/_training_helpers.py)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,45 @@ def tiny_models() -> str:
         for name in build_tiny_models.builders():
             build_tiny_models.build_one(name, out, force=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A 1-process gloo group for the module (env restored afterwards so later subprocesses start clean): what
+    `init_distributed` creates without torchrun, so the FSDP2 / DTensor code paths run in one process too. A module
+    asks for it with `pytestmark = pytest.mark.usefixtures("one_process_group")`."""
+    import training as T
+    from _training_helpers import DIST_ENV
+
+    saved = {k: os.environ.get(k) for k in DIST_ENV}
+    created = not torch.distributed.is_initialized()
+    info = T.init_distributed("cpu")
+    assert {k: os.environ.get(k) for k in DIST_ENV} == saved  # the environment is left untouched
+    yield info
+    if created:
+        T.cleanup_distributed()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def trained_checkpoint(tmp_path):
+    """Run 5 steps, saving after step 3; return (root, losses of steps 4-5, final adapters, final optimizer)."""
+    import training as T
+    from training.distributed import seed_everything
+    from _training_helpers import fresh_run, save_state, train_step, full_params
+
+    torch.manual_seed(0)
+    data = torch.randn(12, 5, 4)
+    model, cfg, opt, stepper, sampler = fresh_run(lora_seed=1)
+    seed_everything(42)
+    for _ in range(3):
+        train_step(model, opt, stepper, sampler, data)
+    T.old_policy_refresh(model, 3, decay=0.5)
+    root = str(tmp_path / "ckpt")
+    save_state(root, 3, model, cfg, opt, stepper, sampler)
+    losses_45 = [train_step(model, opt, stepper, sampler, data) for _ in range(2)]
+    return root, data, losses_45, full_params(model, "default"), opt.state_dict()

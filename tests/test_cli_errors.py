@@ -19,7 +19,7 @@ import train_dppo
 import training as T
 from training.cli import suggest_flags
 from training.distributed import RankFailed
-from training.logs import tee_console
+from training.console import tee_console
 from training.preflight import PreflightError
 from test_trainers import cli, demo_data, run_trainer  # noqa: F401 (fixture)
 from trainer_runs import error_line, trainer_lines
@@ -76,7 +76,7 @@ def test_a_nodes_other_ranks_print_nothing_for_a_mistake_every_rank_sees(monkeyp
 ])
 def test_run_cli_prints_one_line_and_logs_the_traceback(tmp_path, monkeypatch, capsys, rank, local_rank, error,
                                                         shown):
-    import training.logs as logs
+    from training.console import LOG_FILE
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test, whatever tee_console installs
     monkeypatch.setattr(sys, "stderr", sys.stderr)
@@ -91,7 +91,7 @@ def test_run_cli_prints_one_line_and_logs_the_traceback(tmp_path, monkeypatch, c
         T.run_cli(main)
     assert info.value.code == 1
     console = [line for line in capsys.readouterr().err.splitlines() if line]
-    log_path = os.path.join(tmp_path, logs.LOG_FILE)
+    log_path = os.path.join(tmp_path, LOG_FILE)
     assert console == ([] if shown is None else [f"{shown} (traceback in {log_path})"])
     log = open(log_path, encoding="utf-8").read()
     prefix = "" if rank == 0 else f"[rank {rank}] "

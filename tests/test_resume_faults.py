@@ -3,7 +3,7 @@ checkpoints then --resume auto (moved data, changed operational flags, Ctrl-C, d
 into the same output folder (stopped by --max_wall_time_s), a divergence with a huge learning rate, and a frozen
 rollout worker under two trainer ranks. All of them are in the slow stage (`python3 -m pytest -m slow`).
 The component-level checks (sha256 corruption, malicious pickles, killed saves, the flag policy, the skip logic)
-are in tests/test_training.py."""
+are in tests/test_training_checkpoint.py, test_training_resume.py and test_training_optim.py."""
 
 from __future__ import annotations
 

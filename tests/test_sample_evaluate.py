@@ -75,7 +75,7 @@ def nft_run(tiny_models, tmp_path_factory):
 
 @pytest.mark.slow  # the module fixture `nft_run` is a whole trainer run
 def test_nft_run_log_grid_and_checkpoint(nft_run):
-    from training.logs import LOG_FILE
+    from training.console import LOG_FILE
     from models import lora
 
     out, proc = nft_run["out"], nft_run["proc"]

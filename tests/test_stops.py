@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from training.distributed import RankFailed
-from training.logs import Progress, log_only, reward_metrics, tee_console
+from training.console import log_only, tee_console
+from training.logs import Progress, reward_metrics
 from test_trainers import REPO, cli, demo_data, free_port  # noqa: F401 (fixture)
 from trainer_runs import scalars
 
@@ -99,7 +100,7 @@ def test_a_full_disk_is_recognised_in_every_form_it_reaches_the_report(tmp_path)
 def test_the_console_log_survives_a_full_disk(tmp_path, monkeypatch, capsys):
     """train.log on a full disk: one warning on the console, every later line still on the console, and the error
     report (`log_only`) says there is no log instead of raising (before: `Error in sys.excepthook`)."""
-    import training.logs as logs
+    import training.console as console
 
     class FullDisk:
         name = str(tmp_path / "train.log")
@@ -111,8 +112,8 @@ def test_the_console_log_survives_a_full_disk(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test, whatever tee_console installs
     monkeypatch.setattr(sys, "stderr", sys.stderr)
-    monkeypatch.setattr(logs, "launch_rank", lambda: 0)
-    monkeypatch.setattr(logs, "open", lambda *a, **kw: FullDisk(), raising=False)
+    monkeypatch.setattr(console, "launch_rank", lambda: 0)
+    monkeypatch.setattr(console, "open", lambda *a, **kw: FullDisk(), raising=False)
     tee_console(str(tmp_path))
     print("step 1/2 | after the disk filled up")
     print("step 2/2 | still on the console")

@@ -24,7 +24,7 @@ sys.path[:0] = [REPO, HERE]
 import training as T  # noqa: E402
 from training.adapters import load_init_adapter, resolve_adapter_dir  # noqa: E402
 from training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from training.logs import tee_console  # noqa: E402
+from training.console import tee_console  # noqa: E402
 from training.model import (adapter_params, adapter_state_dict, add_lora_adapters, save_adapter_dir,  # noqa: E402
                             shard_transformer)
 from training.optim import (build_lr_scheduler, build_optimizer, load_lr_scheduler_state_, lr_multiplier,  # noqa: E402
@@ -32,7 +32,8 @@ from training.optim import (build_lr_scheduler, build_optimizer, load_lr_schedul
 from training.run import Run  # noqa: E402
 from models import lora  # noqa: E402
 from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
-from test_training import one_process_group  # noqa: E402,F401  (autouse: a 1-process gloo group for the module)
+
+pytestmark = pytest.mark.usefixtures("one_process_group")  # a 1-process gloo group (tests/conftest.py)
 
 
 def tiny_model(seed: int, adapters=("default", "old"), rank: int = 2, alpha: float = 4.0):
@@ -245,19 +246,19 @@ def test_val_adapter_samples_with_the_chosen_adapter_and_restores_the_rollout(tm
 
 
 def test_tee_console_mirrors_rank0_and_every_ranks_errors(tmp_path, monkeypatch):
-    import training.logs as logs
+    import training.console as console
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # restored after the test, whatever tee_console installs
     monkeypatch.setattr(sys, "stderr", sys.stderr)
-    monkeypatch.setattr(logs, "launch_rank", lambda: 1)
+    monkeypatch.setattr(console, "launch_rank", lambda: 1)
     path = tee_console(str(tmp_path))
-    assert not isinstance(sys.stdout, logs._Tee)  # ranks > 0: stderr only
+    assert not isinstance(sys.stdout, console._Tee)  # ranks > 0: stderr only
     print("rank-1 chatter")
     sys.stderr.write("Traceback (most recent call last):\n  boom")
     sys.stderr.write("\nRuntimeError: boom\n")
     assert tee_console(str(tmp_path)) == path  # idempotent: no second layer
     monkeypatch.setattr(sys, "stderr", sys.__stderr__)
-    monkeypatch.setattr(logs, "launch_rank", lambda: 0)
+    monkeypatch.setattr(console, "launch_rank", lambda: 0)
     tee_console(str(tmp_path))
     print("step 1/1 | rank 0 line")
     lines = open(path, encoding="utf-8").read().splitlines()
@@ -274,7 +275,7 @@ def test_tee_console_keeps_the_log_when_the_terminal_is_gone(tmp_path, monkeypat
     and neither print nor flush raises, so the save that follows the hangup can report itself."""
     import errno
 
-    import training.logs as logs
+    import training.console as console
 
     class ClosedTerminal:
         def write(self, text):
@@ -285,7 +286,7 @@ def test_tee_console_keeps_the_log_when_the_terminal_is_gone(tmp_path, monkeypat
 
     monkeypatch.setattr(sys, "stdout", ClosedTerminal())
     monkeypatch.setattr(sys, "stderr", ClosedTerminal())
-    monkeypatch.setattr(logs, "launch_rank", lambda: 0)
+    monkeypatch.setattr(console, "launch_rank", lambda: 0)
     path = tee_console(str(tmp_path))
     print("received SIGHUP: stopping at the end of this step", flush=True)
     sys.stderr.write("saved checkpoint step_00000001\n")

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -79,13 +80,27 @@ def _key(item: Any) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+def settled_records(path: str, timeout_s: float = 60.0) -> list[Any]:
+    """The records of a `.wandb` file once wandb's service has written it out: `finish()` returns before its
+    service process has flushed every record on a loaded machine, so read until the run record is there and the
+    file stops growing (at most `timeout_s`)."""
+    deadline, size = time.monotonic() + timeout_s, -1
+    while True:
+        records = _records(path)
+        has_run = any(r.WhichOneof("record_type") == "run" for r in records)
+        if (has_run and os.path.getsize(path) == size) or time.monotonic() > deadline:
+            return records
+        size = os.path.getsize(path)
+        time.sleep(0.5)
+
+
 def offline_runs(output_dir: str) -> list[OfflineRun]:
     """The offline runs under `<output_dir>/wandb`, oldest start first, read from their `.wandb` files."""
     runs = []
     for folder in sorted(glob.glob(os.path.join(output_dir, "wandb", "offline-run-*"))):
         (path,) = glob.glob(os.path.join(folder, "run-*.wandb"))
         run = OfflineRun(folder)
-        for record in _records(path):
+        for record in settled_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run.run_id = record.run.run_id

@@ -20,8 +20,11 @@ tests/test_architecture.py). Everything else is imported from the module that de
    `checkpoint.py`: atomic save (temp dir, sha256 manifest written last, rename), `find_latest`, exact
    `load_checkpoint` (weights_only) that refuses a partial or corrupt checkpoint, the layout; `resume.py`:
    `prepare_resume` (model-free: orphans, --resume never, integrity, an earlier verified checkpoint named).
+   `run_settings.py`: a run's flags (from its verified checkpoint) as the after-training scripts' defaults.
 6. `logs.py`: TensorBoard on rank 0, metric accumulation over micro-batches + one all_reduce over ranks, the
    `critic/*` reward/advantage stats, validation keys, image grids, a progress line with ETA, timers, run metadata.
+   `console.py`: the console log file <output_dir>/train.log (held until the run lock is held; a full disk never
+   breaks the run).
 7. `perf.py`: images/s per GPU, model FLOPs and MFU per phase, peak memory; `nft_perf_metrics` /
    `dppo_perf_metrics`, the one call each trainer makes.
 8. `flags.py`: the flags both trainers take and their model-free checks (batch sizes, --rollout_policy_lag), and
@@ -60,7 +63,8 @@ from .optim import adapters_equal, old_policy_refresh
 # 4. the update's mini- and micro-batches
 from .data import micro_batches, mini_batches
 # 5. checkpoint errors, adapter provenance, a run's flags as the scripts' defaults
-from .checkpoint import CheckpointError, unverified_adapter_line, set_defaults_from_checkpoint
+from .checkpoint import CheckpointError, unverified_adapter_line
+from .run_settings import set_defaults_from_checkpoint
 # 6. metric accumulation, timers, image grids, gathers over ranks, the help formatter
 from .logs import (MetricAccumulator, timer, image_grid, prompt_text, all_gather_objects, gather_first_images,
                    HelpFormatter)

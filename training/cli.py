@@ -3,7 +3,7 @@
 Under torchrun every rank parses the flags and runs the same start-up checks, so every rank sees the same mistake.
 `ArgumentParser` (a bad or misspelt flag) and `run_cli` (an error while running) print one line on the first rank
 of each node (rank 0 on one machine: each node has its own console) and nothing on the other ranks' consoles;
-`run_cli` writes the full traceback of every rank to `<output_dir>/train.log` (`training.logs.tee_console`).
+`run_cli` writes the full traceback of every rank to `<output_dir>/train.log` (`training.console.tee_console`).
 torchrun's own ChildFailedError summary still follows the line: it is torchrun's. Errors that the ranks raise one
 by one (not relayed to every rank, e.g. a crash in one rank's own work) are printed by every rank that has them,
 prefixed "[rank N]". A full disk is one line naming the disk, its free space and how to continue, whatever error it
@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Mapping, NoReturn, Sequence
 from .checkpoint import CheckpointError
 from .distributed import RankFailed, cleanup_distributed, get_local_rank, launch_rank
 from .lifecycle import RunLockError, StoppedBySignal, collective_explanation, disk_full_line, signal_stop_line
-from .logs import HelpFormatter, console_log_path, log_only
+from .console import console_log_path, log_only
+from .logs import HelpFormatter
 from .preflight import PreflightError
 
 __all__ = ["ArgumentParser", "run_cli", "suggest_flags", "one_line_error"]

@@ -19,7 +19,7 @@ __all__ = ["RESUME_BLOCKING", "RESUME_LOGGED", "RESUME_PATHS", "RESUME_MUTABLE_K
            "content_fingerprints", "path_fingerprint", "sha256_file"]
 
 
-# The resume policy: every flag of the trainers is in exactly one of these (tests/test_training.py fails on a new
+# The resume policy: every flag of the trainers is in exactly one of these (tests/test_training_resume.py fails on a new
 # flag that is not). BLOCKING flags change the objective, the sampled numbers or the data order: a resume with a
 # different value is refused (--resume_force overrides, with a warning naming them). LOGGED flags are operational
 # (where things run, how fast, how long, what is logged or validated): a change is allowed and printed. PATHS are

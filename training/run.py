@@ -31,8 +31,9 @@ from .checkpoint import (CheckpointError, GatheredState, checkpoint_on_rank0, co
                          gather_checkpoint, load_checkpoint, save_gathered, write_checkpoint)
 from .resume_policy import content_fingerprints
 from .resume import ResumePlan, prepare_resume
-from .logs import (Progress, TensorBoardLogger, WandbLogger, WandbSetupError, all_gather_objects,
-                   discard_console_log, run_summary, tee_console, write_run_metadata)
+from .console import discard_console_log, tee_console
+from .logs import (Progress, TensorBoardLogger, WandbLogger, WandbSetupError, all_gather_objects, run_summary,
+                   write_run_metadata)
 from .perf import perf_metrics
 from .flags import check_batch_sizes, parse_lora_init, resolve_device
 from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter

@@ -1,0 +1,77 @@
+"""training/data.py: `PromptSampler` (deterministic, epoch-shuffled, sharded per rank, resumable) and the update's
+`mini_batches` / `micro_batches`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path[:0] = [REPO, HERE]
+
+import training as T  # noqa: E402
+from training.data import PromptSampler  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sampler
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_sampler_deterministic_epochs_and_shards():
+    a = PromptSampler(10, 4, seed=3)
+    b = PromptSampler(10, 4, seed=3)
+    seq_a = [a.next_batch() for _ in range(5)]
+    seq_b = [b.next_batch() for _ in range(5)]
+    assert [s.indices for s in seq_a] == [s.indices for s in seq_b]
+    assert [(s.epoch, s.step_in_epoch) for s in seq_a] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
+    epoch0 = seq_a[0].indices + seq_a[1].indices
+    assert len(set(epoch0)) == 8  # no repeats inside an epoch (tail of 2 dropped)
+    assert seq_a[0].indices != seq_a[2].indices  # reshuffled per epoch
+    c = PromptSampler(10, 4, seed=4)
+    assert c.next_batch().indices != seq_a[0].indices
+    assert PromptSampler(10, 4, seed=3, shuffle=False).next_batch().indices == [0, 1, 2, 3]
+    # sharding: the ranks' local slices partition the global batch, identical global batch on every rank
+    ranks = [PromptSampler(12, 6, seed=1, rank=r, world_size=3) for r in range(3)]
+    for _ in range(3):
+        batches = [s.next_batch() for s in ranks]
+        assert all(bt.indices == batches[0].indices for bt in batches)
+        assert sum((bt.local for bt in batches), []) == batches[0].indices
+        assert all(len(bt.local) == 2 for bt in batches)
+
+
+
+def test_mini_and_micro_batches_cover_each_epoch_in_order():
+    as_lists = lambda batches: [[mb.tolist() for mb in mini] for mini in batches]  # noqa: E731
+    assert as_lists(T.mini_batches(8, 4, 2, epochs=2)) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] * 2
+    assert [mb.tolist() for mb in T.micro_batches(2, 8, 3)] == [[2, 3, 4], [5, 6, 7]]
+    with pytest.raises(ValueError, match="micro-batches of 4 do not tile the 6 samples"):
+        list(T.mini_batches(6, 6, 4))  # a short last micro-batch would weigh its samples more
+    with pytest.raises(ValueError, match="mini-batches of 4 do not tile the 5 samples"):
+        list(T.mini_batches(5, 4, 1))
+    assert T.micro_batches(0, 4, 4)[0].dtype == torch.long
+
+
+
+def test_sampler_resume_and_refusals():
+    s = PromptSampler(9, 3, seed=11)
+    for _ in range(4):
+        s.next_batch()
+    state = json.loads(json.dumps(s.state_dict()))  # survives JSON (stored in trainer_state.json)
+    cont = [s.next_batch().indices for _ in range(4)]
+    r = PromptSampler(9, 3, seed=11)
+    r.load_state_dict(state)
+    assert [r.next_batch().indices for _ in range(4)] == cont
+    with pytest.raises(ValueError, match="seed"):
+        PromptSampler(9, 3, seed=12).load_state_dict(state)
+    with pytest.raises(ValueError, match="dataset_len"):
+        PromptSampler(10, 3, seed=11).load_state_dict(state)
+    with pytest.raises(ValueError, match="divisible"):
+        PromptSampler(10, 3, seed=0, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="fewer than"):
+        PromptSampler(2, 3, seed=0)
