@@ -34,7 +34,8 @@ from PIL import Image, ImageOps
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.common import EDIT_SCHEMA, chat, first_quoted_span, run_cli, write_parquet
+from data_prep.common import EDIT_SCHEMA, first_quoted_span, run_cli, write_parquet
+from models.base import chat_messages
 from models.boogu_image import BOOGU_TI2I_SYSTEM_PROMPT
 
 REWARD_ARMS = ("pickscore", "ocr")
@@ -76,8 +77,8 @@ def make_row(example: dict, *, split: str, index: int, png: bytes, reward: str, 
     data_source, ground_truth = reward_fields(reward, instruction, target_text)
     return {
         "data_source": data_source,
-        "prompt": chat(BOOGU_TI2I_SYSTEM_PROMPT, f"Picture 1: <image>{instruction}"),
-        "negative_prompt": chat(BOOGU_TI2I_SYSTEM_PROMPT, ""),
+        "prompt": chat_messages(BOOGU_TI2I_SYSTEM_PROMPT, f"Picture 1: <image>{instruction}"),
+        "negative_prompt": chat_messages(BOOGU_TI2I_SYSTEM_PROMPT, ""),
         "ability": "image_edit",
         "images": [{"bytes": png}],
         "reward_model": {"style": "model", "ground_truth": ground_truth},

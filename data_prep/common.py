@@ -54,11 +54,6 @@ def read_prompt_lines(path: Path) -> list[str]:
         return [line.strip() for line in f if line.strip()]
 
 
-def chat(system: str, user: str) -> list[dict[str, str]]:
-    """A chat-message list as stored in the parquet `prompt` / `negative_prompt` columns."""
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-
 def write_parquet(rows: list[dict], path: Path, schema: pa.Schema) -> None:
     """Write rows (nested dicts / lists) with pyarrow under `schema` (atomic: temp file, then rename)."""
     if not rows:
