@@ -96,13 +96,16 @@ WHY: dict[str, str] = {
         "grpo.train_batch_size=32)."),
     "--scale": (
         "multiplies every algorithm's prompts per step alike (rollout_n 16 kept), e.g. 0.5 -> 8 x 16 and 6 x 16, "
-        "if the GPU-second budget cannot afford the recipes' batches; the ratio between the algorithms stays."),
+        "if the GPU-second budget cannot afford the recipes' batches; the ratio between the algorithms stays. "
+        "Measured at 0.5 (2026-12-04, bench_learning_scale0.5_h200.json, 3 seeds, lr 3e-4): DiffusionNFT +0.124 "
+        "+- 0.013, Flow-DPPO +0.117 +- 0.030 over the control, within the spread of the recipes' batches."),
     "lr": (
-        "3e-4 for every trained run, the recipes' value. Measured on one H200 (2026-12-04, "
-        "docs/lab/measurements/2026-12-04/bench_learning_h200.json): at 3e-4 and these batches every algorithm beats "
-        "the control by +0.09 to +0.12 in ~105 GPU-s (3 seeds each). The earlier single-seed curves at 1e-3 "
-        "(DiffusionNFT +0.16 in 78 GPU-s; Flow-DPPO peaking at step 30, then wandering) are not a reason to move "
-        "every algorithm off the recipe; --set lr=1e-3 runs that value."),
+        "3e-4 for every trained run, the recipes' value, kept because no other value measured is better for all. "
+        "Measured on one H200 (2026-12-04, docs/lab/measurements/2026-12-04/bench_learning_h200.json and "
+        "bench_learning_lr1e-3_h200.json), gain over the control in ~105 GPU-s: at 3e-4 DiffusionNFT +0.114, "
+        "Flow-DPPO/GRPO +0.094, flow_grpo's GRPO +0.122 (3 seeds each); at 1e-3 DiffusionNFT +0.137 (2 seeds) but "
+        "Flow-DPPO +0.086 (2), Flow-GRPO +0.064 (1) and flow_grpo's GRPO +0.018 (1: 0.558 at 85 GPU-s, then "
+        "0.434). --set lr=1e-3 runs that value."),
     "seeds": (
         "--seeds runs per trained algorithm (trainer --seed 42, 43, ...: rollout noise and data order), the "
         "control once; the table gives mean +- std over seeds. The held-out prompts and their seeds stay fixed."),
