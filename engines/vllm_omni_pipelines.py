@@ -53,7 +53,7 @@ from vllm_omni.diffusion.models.qwen_image.rope_utils import txt_seq_lens_from_e
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Pure helpers (run on CPU in tests_vllm_omni)
+# Pure helpers (run on CPU in tests/vllm_omni_env)
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -6,9 +6,10 @@
 #   bash scripts/make_vllm_omni_test_env.sh [VENV_DIR]      (default: <repo>/.venv-vllm-omni, git-ignored)
 #   VLLM_OMNI_VENV=/some/dir bash scripts/make_vllm_omni_test_env.sh
 #
-# Used by .ci/run for two things: (1) tests_vllm_omni/ runs IN this env (vllm-omni's real types, request building,
-# output parsing, LoRA binding); (2) tests_rollout_env/ runs in the trainer's env and starts rollout workers with
-# --rollout_python <VENV_DIR>/bin/python (the cross-environment protocol, a different torch on each side).
+# Used by .ci/run for two things: (1) tests/vllm_omni_env/ runs IN this env (vllm-omni's real types, request
+# building, output parsing, LoRA binding); (2) tests/test_rollout_env.py runs in the trainer's env and starts
+# rollout workers with --rollout_python <VENV_DIR>/bin/python (the cross-environment protocol, a different torch on
+# each side).
 #
 # How: vLLM 0.30's full dependency set (CUDA kernels, flashinfer, ...) cannot be installed here, so the venv is
 # created with --system-site-packages and installs, all with --no-deps and pinned, (a) vllm-omni + vllm and the small
@@ -21,8 +22,8 @@
 #
 # Idempotent: a stamp file holds the hash of the pinned list; when it matches and the import check passes the
 # script exits at once. A stale or broken venv is deleted and rebuilt. Any failure exits non-zero.
-# Afterwards: "$VENV_DIR/bin/python" -m pytest -o addopts=-ra tests_vllm_omni -q
-#             ROLLOUT_PYTHON="$VENV_DIR/bin/python" python3 -m pytest -o addopts=-ra tests_rollout_env -q
+# Afterwards: "$VENV_DIR/bin/python" -m pytest -o addopts=-ra -m vllm_omni_env tests/vllm_omni_env -q
+#             ROLLOUT_PYTHON="$VENV_DIR/bin/python" python3 -m pytest -o addopts=-ra -m rollout_env -q
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -75,7 +76,7 @@ prettytable==3.18.0
 janus==2.0.0
 "
 
-# What must import afterwards (module:attribute). Kept in sync with tests_vllm_omni/test_vllm_omni_env.py.
+# What must import afterwards (module:attribute). Kept in sync with tests/vllm_omni_env/test_vllm_omni_env.py.
 IMPORT_CHECK='
 import importlib
 names = [

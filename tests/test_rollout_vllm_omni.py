@@ -1,6 +1,6 @@
 """The vllm-omni engine's parts that need no vllm_omni (system env): the clear error when it is missing, the
 per-sample prompt/sampling-params construction, prompt-form conversion, output assembly from parsed outputs, and the
-vllm-omni-named adapter copy. The same functions run against the real vllm-omni 0.30 types in tests_vllm_omni/."""
+vllm-omni-named adapter copy. The same functions run against the real vllm-omni 0.30 types in tests/vllm_omni_env/."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Run ONLY with the separate environment's python (it imports vllm_omni at module 
 system env, and the repo's pytest.ini `testpaths = tests` keeps a plain `python3 -m pytest` from collecting it):
 
     bash scripts/make_vllm_omni_test_env.sh
-    .venv-vllm-omni/bin/python -m pytest tests_vllm_omni -q
+    .venv-vllm-omni/bin/python -m pytest -o addopts=-ra -m vllm_omni_env tests/vllm_omni_env -q
 
 What this pins down (the vllm-omni rollout engine relies on it; see the API notes for file/line references):
 - the import paths of the types the engine builds or parses;
@@ -54,6 +54,8 @@ from vllm_omni.entrypoints.omni import Omni
 from vllm_omni.inputs.data import OmniCustomPrompt, OmniDiffusionSamplingParams, OmniTextPrompt
 from vllm_omni.lora.utils import stable_lora_int_id
 from vllm_omni.outputs import OmniRequestOutput
+
+pytestmark = pytest.mark.vllm_omni_env
 
 torch.set_num_threads(1)
 

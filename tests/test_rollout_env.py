@@ -4,9 +4,9 @@ The trainer side is this interpreter (requirements.txt: torch 2.14.1, transforme
 $ROLLOUT_PYTHON, the vllm-omni test environment (scripts/make_vllm_omni_test_env.sh: vllm-omni 0.30 / vLLM 0.30
 with their own torch 2.13.0, torchvision 0.28.0, transformers 5.14.1). .ci/run builds that environment and runs
 
-    ROLLOUT_PYTHON=.venv-vllm-omni/bin/python python3 -m pytest tests_rollout_env -q
+    ROLLOUT_PYTHON=.venv-vllm-omni/bin/python python3 -m pytest -o addopts=-ra -m rollout_env -q
 
-(not collected by a plain `python3 -m pytest`: pytest.ini's testpaths = tests). Without $ROLLOUT_PYTHON every test
+(marked rollout_env, which a plain `python3 -m pytest` deselects: pytest.ini). Without $ROLLOUT_PYTHON every test
 here FAILS, it never skips.
 
 What runs: the start-up check (--rollout_engine vllm_omni) in that environment; the native engine there on tiny
@@ -32,6 +32,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 import rollout  # noqa: E402
 from engines import protocol  # noqa: E402
 from rollout import RolloutError, RolloutGroup, RolloutRequest  # noqa: E402
+
+pytestmark = pytest.mark.rollout_env
 
 torch.set_num_threads(1)
 SIZE = 64

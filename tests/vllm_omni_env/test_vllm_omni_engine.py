@@ -3,7 +3,7 @@
 separate environment's python:
 
     bash scripts/make_vllm_omni_test_env.sh
-    .venv-vllm-omni/bin/python -m pytest tests_vllm_omni -q
+    .venv-vllm-omni/bin/python -m pytest -o addopts=-ra -m vllm_omni_env tests/vllm_omni_env -q
 
 What runs here:
 - request building: prompt dicts and OmniDiffusionSamplingParams per sample (seeds, generator_device, guidance
@@ -34,7 +34,7 @@ import pytest
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
@@ -58,6 +58,8 @@ from vllm_omni.diffusion.sched.request_scheduler import build_request_batch_samp
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # noqa: E402
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
 from vllm_omni.outputs import OmniRequestOutput  # noqa: E402
+
+pytestmark = pytest.mark.vllm_omni_env
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,5 @@
-"""Shared fixtures of the vllm-omni test env (run with .venv-vllm-omni/bin/python -m pytest tests_vllm_omni)."""
+"""Shared fixtures of the vllm-omni test env (marked vllm_omni_env: run with
+.venv-vllm-omni/bin/python -m pytest -o addopts=-ra -m vllm_omni_env tests/vllm_omni_env)."""
 
 from __future__ import annotations
 
