@@ -48,7 +48,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -68,15 +68,14 @@ __all__ = [
     "ocr_score", "ocr_exact_match", "judge_reply_kind", "judge_probe_image", "jpeg_size_kb", "jpeg_compressibility",
     "jpeg_incompressibility",
     # the scorer and its flags
-    "REWARD_NAMES", "OCR_BACKENDS", "OCR_EMPTY_REPLY", "OCR_OVERLONG_REPLY", "OCR_REFUSAL_REPLY",
-    "OCR_UNUSABLE_REPLY", "OCR_REPLY_KINDS", "JUDGE_PROBE_WORD", "GROUND_TRUTH_EXTRA_KEY", "RewardConfig",
+    "Reward", "REWARDS", "REWARD_NAMES", "OCR_BACKENDS", "OCR_EMPTY_REPLY", "OCR_OVERLONG_REPLY",
+    "OCR_REFUSAL_REPLY", "OCR_UNUSABLE_REPLY", "OCR_REPLY_KINDS", "JUDGE_PROBE_WORD", "RewardConfig",
     "parse_reward_weights", "reward_weights_arg", "add_reward_args", "RewardResult", "RewardScorer",
     # re-exported from reward_models/ (the reward models' names the trainers and the scorer's users meet)
     "SamplingConfig", "GenRMServerError", "DaemonThreadPool", "genrm_request_budget_s", "PickScore",
 ]
 
 PIXEL_CONVENTION = "uint8 tensor of shape (3, H, W) with values in [0, 255] (RGB, CHW)"
-REWARD_NAMES = ("ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")
 OCR_BACKENDS = ("http", "local", "rapidocr")
 # The per-sample 0/1 extra marking an empty or whitespace judge reply; its batch mean is logged as
 # critic/reward/ocr/empty_reply_frac (training.logs.reward_metrics: an extra named *_frac is a fraction).
@@ -92,8 +91,6 @@ OCR_UNUSABLE_REPLY = "reward/ocr/unusable_reply_frac"
 CHARS_PER_TOKEN = 4
 # The word of the start-up probe image (`judge_probe_image`): the judge must read it before a run starts
 JUDGE_PROBE_WORD = "OPEN"
-# Where a multi-reward finds the ground truth of a reward that is not the row's own data_source (edit rows keep both).
-GROUND_TRUTH_EXTRA_KEY = {"ocr": "target_text", "pickscore": "instruction"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -261,7 +258,7 @@ class RewardConfig:
         if self.reward_weights is not None:
             if not self.reward_weights:
                 raise ValueError("reward_weights is empty; omit it for single rewards chosen by data_source")
-            bad = [k for k in self.reward_weights if k not in REWARD_NAMES]
+            bad = [k for k in self.reward_weights if k not in REWARDS]
             if bad:
                 raise ValueError(f"unknown reward(s) {bad} in reward_weights; known: {REWARD_NAMES}")
 
@@ -291,7 +288,7 @@ def parse_reward_weights(spec: str) -> dict[str, float]:
         name = name.strip()
         if not sep:
             raise ValueError(f"--reward_weights entry {part!r} is not NAME=WEIGHT")
-        if name not in REWARD_NAMES:
+        if name not in REWARDS:
             raise ValueError(f"--reward_weights names an unknown reward {name!r}; known: {', '.join(REWARD_NAMES)}")
         if name in weights:
             raise ValueError(f"--reward_weights lists reward {name!r} twice; give each reward one weight")
@@ -441,12 +438,10 @@ class RewardScorer:
     def warmup(self, names: Sequence[str]) -> None:
         """Load the models of `names` now (fail early at startup rather than at the first reward)."""
         for name in names:
-            if name == "ocr":
-                self.ocr_reader()
-            elif name == "pickscore":
-                self.pickscore()
-            elif name not in REWARD_NAMES:
+            if name not in REWARDS:
                 raise ValueError(f"unknown reward {name!r}; known: {REWARD_NAMES}")
+            if REWARDS[name].model is not None:
+                REWARDS[name].model(self)
 
     def scores_rows_independently(self, data_sources: Sequence[str]) -> bool:
         """Whether every reward that rows with these data sources use scores each image on its own (jpeg_*, OCR
@@ -454,56 +449,67 @@ class RewardScorer:
         consecutive row slices, joined by `RewardResult.cat`, equals one call over all rows bit for bit. PickScore
         and the local GenRM batch images, and batched kernels may round differently at another batch size."""
         names = list(self.config.reward_weights) if self.config.reward_weights else list(dict.fromkeys(data_sources))
-        return all(name.startswith("jpeg_") or (name == "ocr" and self.config.ocr_backend in ("http", "rapidocr"))
-                   for name in names)
+        return all(name in REWARDS and REWARDS[name].per_image(self.config) for name in names)
 
-    # --- single rewards on a subset -------------------------------------------------------------------------
+    # --- single rewards on a subset: (scores (n,), numeric extras {key: (n,)}, text extras) -----------------
     def _score(self, name: str, images: list[torch.Tensor], gts: list[str],
                samples: Sequence[int] | None = None) -> tuple[torch.Tensor, dict, dict]:
-        """One reward on a list of samples -> (scores (n,), numeric extras {key: (n,)}, text extras). `samples`:
-        their positions in the caller's batch (named in errors)."""
-        if name == "ocr":
-            pil = [to_pil(img) for img in images]
-            try:
-                replies = self.ocr_reader().transcribe(pil)
-            except GenRMServerError as exc:
-                if exc.image_index is None:
-                    raise
-                k = exc.image_index
+        """One reward (its REWARDS entry) on a list of samples. `samples`: their positions in the caller's batch
+        (named in errors)."""
+        if name not in REWARDS:
+            raise ValueError(
+                f"data_source {name!r} names no reward; known: {REWARD_NAMES}. data_source must name the reward "
+                f"(rewrite old datasets with data_prep/set_data_source.py)")
+        return REWARDS[name].score(self, images, gts, samples)
+
+    def score_ocr(self, images: list[torch.Tensor], gts: list[str],
+                  samples: Sequence[int] | None = None) -> tuple[torch.Tensor, dict, dict]:
+        """The OCR reward: the reader's transcription of each image against its target text (`ocr_score`)."""
+        pil = [to_pil(img) for img in images]
+        try:
+            replies = self.ocr_reader().transcribe(pil)
+        except GenRMServerError as exc:
+            if exc.image_index is None:
+                raise
+            k = exc.image_index
+            sample = samples[k] if samples is not None else k
+            raise GenRMServerError(f"OCR judge, sample {sample} of the batch (ground truth {gts[k]!r}): "
+                                   f"{exc.detail}", image_index=k, detail=exc.detail) from exc
+        if len(replies) != len(pil):
+            raise RuntimeError(f"OCR reader returned {len(replies)} replies for {len(pil)} images")
+        for k, reply in enumerate(replies):
+            if not isinstance(reply, str):
                 sample = samples[k] if samples is not None else k
-                raise GenRMServerError(f"OCR judge, sample {sample} of the batch (ground truth {gts[k]!r}): "
-                                       f"{exc.detail}", image_index=k, detail=exc.detail) from exc
-            if len(replies) != len(pil):
-                raise RuntimeError(f"OCR reader returned {len(replies)} replies for {len(pil)} images")
-            for k, reply in enumerate(replies):
-                if not isinstance(reply, str):
-                    sample = samples[k] if samples is not None else k
-                    raise TypeError(f"OCR reader returned a {type(reply).__name__} for sample {sample}, not a "
-                                    f"transcription string")
-            scores = torch.tensor([ocr_score(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
-            exact = torch.tensor([ocr_exact_match(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
-            # an empty / whitespace reply is an empty transcription, scored by ocr_score's definition (0 unless the
-            # target is empty too), and counted: many of them mean a judge that reads nothing, not bad images
-            empty = torch.tensor([float(not r.strip()) for r in replies], dtype=torch.float32)
-            extras = {"ocr/exact_match": exact, OCR_EMPTY_REPLY: empty}
-            texts = {"ocr/response": list(replies)}
-            if self.config.ocr_backend != "rapidocr":  # a generative judge: is each reply a reading at all?
-                kinds = [judge_reply_kind(r, g, self.config.sampling.max_tokens) for r, g in zip(replies, gts)]
-                flags = {kind: torch.tensor([float(k == kind) for k in kinds]) for kind in OCR_REPLY_KINDS}
-                extras.update({OCR_EMPTY_REPLY: flags["empty"], OCR_OVERLONG_REPLY: flags["overlong"],
-                               OCR_REFUSAL_REPLY: flags["refusal"], OCR_UNUSABLE_REPLY: 1.0 - flags["reading"]})
-                texts["ocr/reply_kind"] = kinds
-            return scores, extras, texts
-        if name == "pickscore":
-            scores, raw = self.pickscore()(images, gts)
-            return scores, {"pickscore/raw": raw}, {}
-        if name == "jpeg_compressibility":
-            return jpeg_compressibility([to_pil(img) for img in images]), {}, {}
-        if name == "jpeg_incompressibility":
-            return jpeg_incompressibility([to_pil(img) for img in images]), {}, {}
-        raise ValueError(
-            f"data_source {name!r} names no reward; known: {REWARD_NAMES}. data_source must name the reward "
-            f"(rewrite old datasets with data_prep/set_data_source.py)")
+                raise TypeError(f"OCR reader returned a {type(reply).__name__} for sample {sample}, not a "
+                                f"transcription string")
+        scores = torch.tensor([ocr_score(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
+        exact = torch.tensor([ocr_exact_match(r, g) for r, g in zip(replies, gts)], dtype=torch.float32)
+        # an empty / whitespace reply is an empty transcription, scored by ocr_score's definition (0 unless the
+        # target is empty too), and counted: many of them mean a judge that reads nothing, not bad images
+        empty = torch.tensor([float(not r.strip()) for r in replies], dtype=torch.float32)
+        extras = {"ocr/exact_match": exact, OCR_EMPTY_REPLY: empty}
+        texts = {"ocr/response": list(replies)}
+        if self.config.ocr_backend != "rapidocr":  # a generative judge: is each reply a reading at all?
+            kinds = [judge_reply_kind(r, g, self.config.sampling.max_tokens) for r, g in zip(replies, gts)]
+            flags = {kind: torch.tensor([float(k == kind) for k in kinds]) for kind in OCR_REPLY_KINDS}
+            extras.update({OCR_EMPTY_REPLY: flags["empty"], OCR_OVERLONG_REPLY: flags["overlong"],
+                           OCR_REFUSAL_REPLY: flags["refusal"], OCR_UNUSABLE_REPLY: 1.0 - flags["reading"]})
+            texts["ocr/reply_kind"] = kinds
+        return scores, extras, texts
+
+    def score_pickscore(self, images: list[torch.Tensor], gts: list[str],
+                        samples: Sequence[int] | None = None) -> tuple[torch.Tensor, dict, dict]:
+        """PickScore of each image against its caption / edit instruction."""
+        scores, raw = self.pickscore()(images, gts)
+        return scores, {"pickscore/raw": raw}, {}
+
+    def score_jpeg_compressibility(self, images: list[torch.Tensor], gts: list[str],
+                                   samples: Sequence[int] | None = None) -> tuple[torch.Tensor, dict, dict]:
+        return jpeg_compressibility([to_pil(img) for img in images]), {}, {}
+
+    def score_jpeg_incompressibility(self, images: list[torch.Tensor], gts: list[str],
+                                     samples: Sequence[int] | None = None) -> tuple[torch.Tensor, dict, dict]:
+        return jpeg_incompressibility([to_pil(img) for img in images]), {}, {}
 
     # --- public entry point ---------------------------------------------------------------------------------
     def score_batch(self, images: Sequence[torch.Tensor] | torch.Tensor, ground_truths: Sequence[str],
@@ -520,7 +526,7 @@ class RewardScorer:
             if not isinstance(gt, str):
                 raise ValueError(f"sample {i}: ground_truth must be a str, got {type(gt).__name__}")
         for i, ds in enumerate(data_sources):
-            if ds not in REWARD_NAMES:
+            if ds not in REWARDS:
                 raise ValueError(
                     f"sample {i}: data_source {ds!r} names no reward; known: {REWARD_NAMES}. data_source must name "
                     f"the reward (relabel old datasets with data_prep/set_data_source.py)")
@@ -560,15 +566,46 @@ class RewardScorer:
     @staticmethod
     def _ground_truth(name: str, i: int, gts: Sequence[str], sources: Sequence[str],
                       infos: Sequence[dict | None]) -> str:
-        if sources[i] == name or name.startswith("jpeg_"):
+        key = REWARDS[name].ground_truth_key
+        if sources[i] == name or key is None:
             return gts[i]
-        key = GROUND_TRUTH_EXTRA_KEY[name]
         info = infos[i] or {}
         if not isinstance(info.get(key), str):
             raise ValueError(
                 f"sample {i} (data_source {sources[i]!r}) has no ground truth for reward {name!r}: multi-reward "
                 f"reads it from extra_info[{key!r}] when the row's data_source names another reward")
         return info[key]
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward a row's `data_source` (or `--reward_weights`) can name. Adding a reward is one entry of
+    `REWARDS` plus its scoring method on `RewardScorer`; the scorer, the preflight and the data tools read the table.
+
+    score: the scorer's method (images, ground truths, sample positions) -> (scores (n,), numeric extras, texts).
+    model: the scorer's method that builds the reward's model, called by `warmup` at start-up (None: no model).
+    ground_truth_key: the `extra_info` key a multi-reward run reads this reward's ground truth from on rows whose
+        data_source names another reward (None: the row's own ground truth serves every reward, e.g. jpeg).
+    per_image: whether, under a config, it scores each image on its own (one request / call per image), so that row
+        slices scored apart equal one call over all rows bit for bit (`RewardScorer.scores_rows_independently`).
+    """
+
+    score: Callable[..., tuple[torch.Tensor, dict, dict]]
+    model: Callable[[RewardScorer], object] | None = None
+    ground_truth_key: str | None = None
+    per_image: Callable[[RewardConfig], bool] = lambda config: True
+
+
+REWARDS: dict[str, Reward] = {
+    # the http judge and RapidOCR read one image per call; the local GenRM batches images
+    "ocr": Reward(RewardScorer.score_ocr, model=RewardScorer.ocr_reader, ground_truth_key="target_text",
+                  per_image=lambda config: config.ocr_backend in ("http", "rapidocr")),
+    "pickscore": Reward(RewardScorer.score_pickscore, model=RewardScorer.pickscore, ground_truth_key="instruction",
+                        per_image=lambda config: False),  # batched CLIP kernels
+    "jpeg_compressibility": Reward(RewardScorer.score_jpeg_compressibility),
+    "jpeg_incompressibility": Reward(RewardScorer.score_jpeg_incompressibility),
+}
+REWARD_NAMES = tuple(REWARDS)
 
 
 def _main() -> None:

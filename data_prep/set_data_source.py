@@ -24,8 +24,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_prep.common import run_cli  # noqa: E402
+from rewards import REWARD_NAMES  # noqa: E402
 
-DATA_SOURCES = ("ocr", "pickscore", "jpeg_compressibility", "jpeg_incompressibility")  # = rewards.REWARD_NAMES
+DATA_SOURCES = REWARD_NAMES  # a row's data_source names the reward that scores it (rewards.REWARDS)
 SPLITS = ("train", "test")
 INSTRUCTION_PREFIX = "change the text to"
 

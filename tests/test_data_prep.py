@@ -333,9 +333,11 @@ def test_synthetic_edit_scenes_are_legible_to_ocr(tmp_path):
 
 def test_set_data_source_accepts_exactly_the_reward_names():
     import rewards
-    from data_prep import set_data_source
+    from data_prep import make_demo_data, set_data_source
 
-    assert set(set_data_source.DATA_SOURCES) == set(rewards.REWARD_NAMES)
+    assert set_data_source.DATA_SOURCES is rewards.REWARD_NAMES  # the table, not a copy of its names
+    assert make_demo_data.DATA_SOURCES is rewards.REWARD_NAMES
+    assert rewards.REWARD_NAMES == tuple(rewards.REWARDS)
 
 
 @pytest.mark.parametrize("script, args, reason", [

@@ -840,3 +840,33 @@ def test_scorer_builds_from_a_pickled_config_in_another_process():
     assert rewards == pytest.approx(scorer.score_batch(images, ["", ""], ["jpeg_incompressibility",
                                                                        "jpeg_compressibility"]).rewards.tolist())
 
+
+
+def test_a_new_reward_is_one_table_entry_the_scorer_reads_everywhere(monkeypatch):
+    """An entry added to REWARDS (here a constant reward that reads its ground truth from extra_info['caption'] on
+    rows of another data_source) is scored, warmed up, checked for per-image scoring and found for multi-reward,
+    with no other change to the scorer."""
+    built = []
+
+    def score_const(scorer, images, gts, samples=None):
+        return torch.tensor([float(len(g)) for g in gts]), {"const/len": torch.ones(len(gts))}, {}
+
+    entry = R.Reward(score_const, model=lambda scorer: built.append(scorer), ground_truth_key="caption",
+                     per_image=lambda config: False)
+    monkeypatch.setitem(R.REWARDS, "const", entry)
+    scorer = R.RewardScorer()
+    images = [torch.zeros(3, 8, 8, dtype=torch.uint8)] * 2
+    res = scorer.score_batch(images, ["abc", "de"], ["const", "const"])
+    assert res.rewards.tolist() == [3.0, 2.0]
+    assert res.extras["reward/const"].tolist() == [3.0, 2.0] and res.extras["const/len"].tolist() == [1.0, 1.0]
+    scorer.warmup(["const", "jpeg_compressibility"])
+    assert built == [scorer]
+    assert not scorer.scores_rows_independently(["const"]) and scorer.scores_rows_independently(["jpeg_compressibility"])
+    # multi-reward: a jpeg row reads the new reward's ground truth from extra_info["caption"]
+    weighted = R.RewardScorer(R.RewardConfig(reward_weights={"const": 1.0}))
+    res = weighted.score_batch(images[:1], ["ignored"], ["jpeg_compressibility"], [{"caption": "four"}])
+    assert res.rewards.tolist() == [4.0]
+    with pytest.raises(ValueError, match=r"extra_info\['caption'\]"):
+        weighted.score_batch(images[:1], ["ignored"], ["jpeg_compressibility"], [{}])
+    with pytest.raises(ValueError, match="names no reward"):
+        scorer.score_batch(images[:1], ["x"], ["unknown_reward"])

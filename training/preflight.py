@@ -205,7 +205,7 @@ def check_datasets(args, world: int, *, guided: bool) -> list[str]:
             source, info = data.metadata(i)
             sources.append(source)
             for name in config.reward_weights or {}:
-                key = rewards.GROUND_TRUTH_EXTRA_KEY.get(name)
+                key = rewards.REWARDS[name].ground_truth_key
                 if name != source and key is not None and not isinstance(info.get(key), str):
                     raise PreflightError(
                         f"--{flag} {path}: row {i} (data_source {source!r}) has no extra_info[{key!r}], the ground "
