@@ -861,7 +861,8 @@ def test_a_new_reward_is_one_table_entry_the_scorer_reads_everywhere(monkeypatch
     assert res.extras["reward/const"].tolist() == [3.0, 2.0] and res.extras["const/len"].tolist() == [1.0, 1.0]
     scorer.warmup(["const", "jpeg_compressibility"])
     assert built == [scorer]
-    assert not scorer.scores_rows_independently(["const"]) and scorer.scores_rows_independently(["jpeg_compressibility"])
+    assert not scorer.scores_rows_independently(["const"])
+    assert scorer.scores_rows_independently(["jpeg_compressibility"])
     # multi-reward: a jpeg row reads the new reward's ground truth from extra_info["caption"]
     weighted = R.RewardScorer(R.RewardConfig(reward_weights={"const": 1.0}))
     res = weighted.score_batch(images[:1], ["ignored"], ["jpeg_compressibility"], [{"caption": "four"}])
