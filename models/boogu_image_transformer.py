@@ -1,15 +1,11 @@
-"""Boogu-Image-0.1's transformer: `BooguImageTransformer2DModel`, our own implementation of the released
-Boogu-Image transformer (written from the published architecture; no upstream code), with its blocks, RoPE and
-attention helpers, the token layout (`_Layout`, patchify / unpatchify) and `boogu_image_forward_flops`.
+"""Boogu-Image-0.1's transformer `BooguImageTransformer2DModel`: our own implementation of the released model
+(written from the published architecture; no upstream code), with its blocks, RoPE and attention helpers, the
+token layout (`_Layout`, patchify / unpatchify) and `boogu_image_forward_flops`.
 
-Its config keys and state-dict keys equal the released checkpoint's, so
-`BooguImageTransformer2DModel.from_pretrained(<ckpt>/transformer)` loads the real weights with no missing or
-unexpected key. `forward` takes the released class's inputs and returns the raw Boogu-convention output
-`u = x0 - eps` for Boogu time `t` (0 = noise, 1 = clean); the conventions around it live in the wrapper,
-`models.boogu_image.BooguImageModel`.
-
-May import torch and diffusers; never `models.boogu_image` (which imports it) or anything else of this repository.
-
+Config and state-dict keys equal the released checkpoint's, so `from_pretrained(<ckpt>/transformer)` loads the
+real weights with no missing or unexpected key. `forward` takes the released inputs and returns the raw output
+`u = x0 - eps` at Boogu time `t` (0 = noise, 1 = clean); the wrapper `models.boogu_image.BooguImageModel` holds
+the conventions around it. May import torch and diffusers, nothing of this repository.
 """
 
 from __future__ import annotations
@@ -31,12 +27,10 @@ RopeTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (..., L, head_
 
 
 class StreamContext:
-    """Per-stream attention inputs: key padding mask (B, L) bool or None, and RoPE (cos, sin) float32.
-
-    A plain object on purpose: FSDP2's mixed-precision policy casts floating tensors found in a block's
-    arguments (pytrees) to the compute dtype; the RoPE tables must stay float32 (the released model keeps them
-    complex128, which that cast never touches), so they travel inside an object the cast does not traverse.
-    """
+    """Per-stream attention inputs: key padding mask (B, L) bool or None, and RoPE (cos, sin) float32. A plain
+    object on purpose: FSDP2's mixed-precision policy casts the floating tensors in a block's (pytree) arguments
+    to the compute dtype; the RoPE tables must stay float32 (the released model keeps them complex128, which
+    that cast never touches), so they travel inside an object the cast does not traverse."""
 
     __slots__ = ("key_mask", "rope")
 
@@ -45,10 +39,8 @@ class StreamContext:
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-    """Rotate adjacent channel pairs (2i, 2i+1) of `x` (B, L, H, D) by the angles in `rope` ((B, L, D/2) each).
-
-    Same rotation as a complex multiply of the pair by exp(i*angle); computed in float32, cast back.
-    """
+    """Rotate adjacent channel pairs (2i, 2i+1) of `x` (B, L, H, D) by the angles in `rope` ((B, L, D/2) each):
+    a complex multiply of the pair by exp(i*angle), computed in float32 and cast back."""
     cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]
     pairs = x.float().unflatten(-1, (-1, 2))
     x_even, x_odd = pairs[..., 0], pairs[..., 1]
@@ -57,11 +49,9 @@ def apply_rope(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
 
 
 def rope_from_positions(positions: torch.Tensor, axes_dim: Sequence[int], theta: float) -> RopeTable:
-    """3-axis RoPE tables for integer positions (..., 3) -> (cos, sin) each (..., sum(axes_dim)/2) float32.
-
-    Per axis the inverse frequencies are theta^(-2i/d); angles are computed in float64 (as the released model's
-    complex128 tables) and rounded to float32 once.
-    """
+    """3-axis RoPE tables for integer positions (..., 3) -> (cos, sin) each (..., sum(axes_dim)/2) float32. Per
+    axis the inverse frequencies are theta^(-2i/d); angles in float64 (as the released model's complex128
+    tables), rounded to float32 once."""
     angles = []
     for axis, dim in enumerate(axes_dim):
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
@@ -78,36 +68,19 @@ def rope_from_tables(positions: torch.Tensor, freqs_cis: Sequence[torch.Tensor])
     return table.real.float(), table.imag.float()
 
 
-def attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_mask: Optional[torch.Tensor], scale: float
-) -> torch.Tensor:
-    """SDPA with grouped-query heads and a key padding mask.
-
-    query (B, L, H, D), key/value (B, L, H_kv, D), key_mask (B, L) bool (True = attend) or None. Returns
-    (B, L, H*D). K/V heads are repeated explicitly (the released model does the same; SDPA's `enable_gqa` with a
-    mask falls back to the math kernel on some torch versions).
-    """
-    batch, length, heads, head_dim = query.shape
-    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if key.shape[1] != heads:
-        repeats = heads // key.shape[1]
-        key = key.repeat_interleave(repeats, dim=1)
-        value = value.repeat_interleave(repeats, dim=1)
-    mask = None if key_mask is None else key_mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+def swiglu_inner_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
+    """4*dim (times ffn_dim_multiplier), rounded up to a multiple of `multiple_of`."""
+    inner_dim = 4 * dim if ffn_dim_multiplier is None else int(ffn_dim_multiplier * 4 * dim)
+    return multiple_of * ((inner_dim + multiple_of - 1) // multiple_of)
 
 
 class SwiGLUFeedForward(nn.Module):
-    """`linear_2(silu(linear_1 x) * linear_3 x)`; inner dim 4*dim (times ffn_dim_multiplier), rounded up to
-    `multiple_of`. No biases. (Released name: LuminaFeedForward.)"""
+    """`linear_2(silu(linear_1 x) * linear_3 x)`, inner dim `swiglu_inner_dim`, no biases. (Released name:
+    LuminaFeedForward.)"""
 
     def __init__(self, dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]):
         super().__init__()
-        inner_dim = 4 * dim
-        if ffn_dim_multiplier is not None:
-            inner_dim = int(ffn_dim_multiplier * inner_dim)
-        inner_dim = multiple_of * ((inner_dim + multiple_of - 1) // multiple_of)
+        inner_dim = swiglu_inner_dim(dim, multiple_of, ffn_dim_multiplier)
         self.linear_1 = nn.Linear(dim, inner_dim, bias=False)  # gate
         self.linear_2 = nn.Linear(inner_dim, dim, bias=False)  # down
         self.linear_3 = nn.Linear(dim, inner_dim, bias=False)  # up
@@ -164,28 +137,53 @@ class TimeCaptionEmbedding(nn.Module):
         return temb, self.caption_embedder(instruction)
 
 
-class BooguSelfAttention(nn.Module):
-    """GQA self-attention with per-head qk RMSNorm and RoPE. Names as diffusers `Attention`
-    (`to_q/to_k/to_v`, `norm_q/norm_k`, `to_out.0`) so the released weights load."""
+class QKNormAttention(nn.Module):
+    """What both attentions share: per-head qk RMSNorm, RoPE, GQA SDPA with a key padding mask, and the final
+    `to_out.0`. Names as diffusers `Attention` (`norm_q/norm_k`, `to_out.0`) so the released weights load."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int):
-        super().__init__()
+    def _add_norms_and_out(self, dim: int, heads: int, kv_heads: int) -> None:
+        # Called by the subclass where the released model creates these (keeps parameter and init order).
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         self.scale = self.head_dim**-0.5
-        self.to_q = nn.Linear(dim, heads * self.head_dim, bias=False)
-        self.to_k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
-        self.to_v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.norm_q = QKRMSNorm(self.head_dim, eps=1e-5)
         self.norm_k = QKRMSNorm(self.head_dim, eps=1e-5)
         self.to_out = nn.ModuleList([nn.Linear(heads * self.head_dim, dim, bias=False), nn.Dropout(0.0)])
 
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: StreamContext,
+               dtype: torch.dtype) -> torch.Tensor:
+        """query (B, L, H*D), key/value (B, L, H_kv*D) -> (B, L, H*D) in `dtype`, before `to_out`. K/V heads are
+        repeated explicitly (as the released model; SDPA's `enable_gqa` with a mask falls back to the math
+        kernel on some torch versions); ctx.key_mask (B, L) bool, True = attend, or None."""
+        batch, length = query.shape[:2]
+        query = self.norm_q(query.unflatten(-1, (self.heads, self.head_dim)))  # (B, L, H, D)
+        key = self.norm_k(key.unflatten(-1, (self.kv_heads, self.head_dim)))  # (B, L, H_kv, D)
+        value = value.unflatten(-1, (self.kv_heads, self.head_dim))  # (B, L, H_kv, D)
+        query, key = apply_rope(query, ctx.rope).transpose(1, 2), apply_rope(key, ctx.rope).transpose(1, 2)
+        value = value.transpose(1, 2)
+        if self.kv_heads != self.heads:
+            key = key.repeat_interleave(self.heads // self.kv_heads, dim=1)  # (B, H, L, D)
+            value = value.repeat_interleave(self.heads // self.kv_heads, dim=1)  # (B, H, L, D)
+        mask = None if ctx.key_mask is None else ctx.key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)  # (B, H, L, D)
+        return out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim).to(dtype)
+
+    def project_out(self, x: torch.Tensor) -> torch.Tensor:
+        return self.to_out[1](self.to_out[0](x))
+
+
+class BooguSelfAttention(QKNormAttention):
+    """GQA self-attention with per-head qk RMSNorm and RoPE (`to_q/to_k/to_v` as diffusers `Attention`)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        head_dim = dim // heads
+        self.to_q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.to_k = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.to_v = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self._add_norms_and_out(dim, heads, kv_heads)
+
     def forward(self, x: torch.Tensor, ctx: StreamContext) -> torch.Tensor:
-        query = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, self.head_dim)))
-        key = self.norm_k(self.to_k(x).unflatten(-1, (self.kv_heads, self.head_dim)))
-        value = self.to_v(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        query, key = apply_rope(query, ctx.rope), apply_rope(key, ctx.rope)
-        out = attention(query, key, value, ctx.key_mask, self.scale).to(x.dtype)
-        return self.to_out[1](self.to_out[0](out))
+        return self.project_out(self.attend(self.to_q(x), self.to_k(x), self.to_v(x), ctx, x.dtype))
 
 
 class JointAttentionProjections(nn.Module):
@@ -206,34 +204,23 @@ class JointAttentionProjections(nn.Module):
         self.img_out = nn.Linear(q_dim, q_dim, bias=False)
 
 
-class BooguJointAttention(nn.Module):
+class BooguJointAttention(QKNormAttention):
     """Joint attention over [instruction ; image] with separate per-stream QKV and output projections, a
     shared qk RMSNorm, and a shared final `to_out.0` applied to both streams."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.scale = self.head_dim**-0.5
-        self.norm_q = QKRMSNorm(self.head_dim, eps=1e-5)
-        self.norm_k = QKRMSNorm(self.head_dim, eps=1e-5)
-        self.to_out = nn.ModuleList([nn.Linear(heads * self.head_dim, dim, bias=False), nn.Dropout(0.0)])
+        self._add_norms_and_out(dim, heads, kv_heads)
         self.processor = JointAttentionProjections(dim, heads, kv_heads, self.head_dim)
 
     def forward(self, img: torch.Tensor, instruct: torch.Tensor, layout: "_Layout") -> tuple[torch.Tensor, torch.Tensor]:
         p = self.processor
-        query = layout.merge(p.instruct_to_q(instruct), p.img_to_q(img))
-        key = layout.merge(p.instruct_to_k(instruct), p.img_to_k(img))
-        value = layout.merge(p.instruct_to_v(instruct), p.img_to_v(img))
-        query = self.norm_q(query.unflatten(-1, (self.heads, self.head_dim)))
-        key = self.norm_k(key.unflatten(-1, (self.kv_heads, self.head_dim)))
-        value = value.unflatten(-1, (self.kv_heads, self.head_dim))
-        query, key = apply_rope(query, layout.joint.rope), apply_rope(key, layout.joint.rope)
-        out = attention(query, key, value, layout.joint.key_mask, self.scale).to(img.dtype)
-        instruct_out, img_out = layout.split(out)
+        query = layout.merge(p.instruct_to_q(instruct), p.img_to_q(img))  # (B, seq_max, H*D)
+        key = layout.merge(p.instruct_to_k(instruct), p.img_to_k(img))  # (B, seq_max, H_kv*D)
+        value = layout.merge(p.instruct_to_v(instruct), p.img_to_v(img))  # (B, seq_max, H_kv*D)
+        instruct_out, img_out = layout.split(self.attend(query, key, value, layout.joint, img.dtype))
         # to_out is token-wise, so applying it per stream equals applying it to the merged sequence.
-        instruct_out = self.to_out[1](self.to_out[0](p.instruct_out(instruct_out)))
-        img_out = self.to_out[1](self.to_out[0](p.img_out(img_out)))
-        return img_out, instruct_out
+        return self.project_out(p.img_out(img_out)), self.project_out(p.instruct_out(instruct_out))
 
 
 class BooguImageTransformerBlock(nn.Module):
@@ -289,19 +276,14 @@ class BooguImageDoubleStreamTransformerBlock(nn.Module):
         self.img_instruct_attn = BooguJointAttention(dim, heads, kv_heads)
         self.img_self_attn = BooguSelfAttention(dim, heads, kv_heads)
         self.img_feed_forward = SwiGLUFeedForward(dim, multiple_of, ffn_dim_multiplier)
-        self.img_norm1 = AdaRMSNormZero(dim, norm_eps)  # joint attention
-        self.img_norm2 = AdaRMSNormZero(dim, norm_eps)  # FFN
-        self.img_norm3 = AdaRMSNormZero(dim, norm_eps)  # image self-attention
-        self.img_ffn_norm1 = nn.RMSNorm(dim, eps=norm_eps)
-        self.img_attn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.img_self_attn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.img_ffn_norm2 = nn.RMSNorm(dim, eps=norm_eps)
+        # adaLNs: img_norm1 before the joint attention, img_norm2 the FFN, img_norm3 the image self-attention.
+        self.img_norm1, self.img_norm2, self.img_norm3 = (AdaRMSNormZero(dim, norm_eps) for _ in range(3))
+        self.img_ffn_norm1, self.img_attn_norm, self.img_self_attn_norm, self.img_ffn_norm2 = (
+            nn.RMSNorm(dim, eps=norm_eps) for _ in range(4))
         self.instruct_feed_forward = SwiGLUFeedForward(dim, multiple_of, ffn_dim_multiplier)
-        self.instruct_norm1 = AdaRMSNormZero(dim, norm_eps)
-        self.instruct_norm2 = AdaRMSNormZero(dim, norm_eps)
-        self.instruct_ffn_norm1 = nn.RMSNorm(dim, eps=norm_eps)
-        self.instruct_attn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.instruct_ffn_norm2 = nn.RMSNorm(dim, eps=norm_eps)
+        self.instruct_norm1, self.instruct_norm2 = (AdaRMSNormZero(dim, norm_eps) for _ in range(2))
+        self.instruct_ffn_norm1, self.instruct_attn_norm, self.instruct_ffn_norm2 = (
+            nn.RMSNorm(dim, eps=norm_eps) for _ in range(3))
 
     def forward(self, img: torch.Tensor, instruct: torch.Tensor, temb: torch.Tensor, layout: "_Layout"):
         img_in1, img_gate_joint, img_scale_ffn, img_gate_ffn = self.img_norm1(img, temb)
@@ -326,6 +308,16 @@ class BooguImageDoubleStreamTransformerBlock(nn.Module):
         return img, instruct
 
 
+def pad_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack (L_i, ...) rows into (N, max L_i, ...), zero-padded."""
+    return nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+
+
+def prefix_mask(lengths: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """(B, width) bool, True on the first lengths[b] positions of row b."""
+    return torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+
+
 class _Layout:
     """Per-forward token layout of a padded batch: where each sample's instruction, reference-image and noise
     tokens sit, the key masks, and the RoPE tables of every stream.
@@ -347,12 +339,9 @@ class _Layout:
         self.img_max = max(self.img_lens)
 
         def key_mask(lengths: list[int], width: int) -> Optional[torch.Tensor]:
-            if all(n == width for n in lengths):
-                return None
-            return torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+            return None if all(n == width for n in lengths) else prefix_mask(lengths, width, device)
 
-        self.joint_valid = torch.arange(self.seq_max, device=device)[None, :] < torch.tensor(
-            self.seq_lens, device=device)[:, None]
+        self.joint_valid = prefix_mask(self.seq_lens, self.seq_max, device)  # (B, seq_max)
 
         # Index of joint position s in cat([instruction (cap_max), image stream (comb_max)]).
         cap = torch.tensor(cap_lens, device=device)[:, None]
@@ -363,10 +352,8 @@ class _Layout:
 
         # Positions (3 axes). Instruction token i -> (i, i, i). Reference j of sample b -> axis 0 = cap_b + the
         # larger token side of every earlier reference; noise -> axis 0 = cap_b + the sum over all references.
-        cap_pos = torch.arange(self.cap_max, device=device)[:, None].expand(-1, 3)
-        img_pos = torch.zeros(self.batch, self.comb_max, 3, dtype=torch.long, device=device)
-        noise_pos = torch.zeros(self.batch, self.img_max, 3, dtype=torch.long, device=device)
-        ref_pos: list[torch.Tensor] = []
+        cap_pos = torch.arange(self.cap_max, device=device)[:, None].expand(-1, 3)  # (cap_max, 3)
+        img_pos, noise_pos, ref_pos = [], [], []  # per sample / per sample / per reference: (n, 3) each
         max_axis = [0, 0, 0]
         for b in range(self.batch):
             shift = cap_lens[b]
@@ -377,29 +364,25 @@ class _Layout:
                 pieces.append(torch.stack([torch.full_like(rows, shift), rows, cols], dim=-1))
                 max_axis = [max(max_axis[0], shift), max(max_axis[1], h - 1), max(max_axis[2], w - 1)]
                 shift += max(h, w)
-            for piece in pieces[:-1]:
-                ref_pos.append(piece)
-            cat = torch.cat(pieces, dim=0)
-            img_pos[b, : cat.shape[0]] = cat
-            noise_pos[b, : pieces[-1].shape[0]] = pieces[-1]
+            ref_pos += pieces[:-1]
+            img_pos.append(torch.cat(pieces, dim=0))
+            noise_pos.append(pieces[-1])
         max_axis[0] = max(max_axis[0], self.cap_max - 1)
         for axis in range(3):
             if max_axis[axis] >= axes_lens[axis]:
-                raise ValueError(
-                    f"RoPE position {max_axis[axis]} on axis {axis} exceeds the model's axes_lens[{axis}]="
-                    f"{axes_lens[axis]} (instruction tokens + reference-image token sides on axis 0, image token "
-                    "rows/cols on axes 1-2). Use a shorter instruction or smaller images."
-                )
+                raise ValueError(f"RoPE position {max_axis[axis]} on axis {axis} exceeds the model's axes_lens[{axis}]"
+                                 f"={axes_lens[axis]} (instruction tokens + reference-image token sides on axis 0, "
+                                 "image token rows/cols on axes 1-2). Use a shorter instruction or smaller images.")
 
         def rope(positions: torch.Tensor) -> RopeTable:
             if freqs_cis is not None:
                 return rope_from_tables(positions, freqs_cis)
             return rope_from_positions(positions, axes_dim, theta)
 
-        cap_rope, img_rope = rope(cap_pos[None].expand(self.batch, -1, -1)), rope(img_pos)
+        cap_rope, img_rope = rope(cap_pos[None].expand(self.batch, -1, -1)), rope(pad_rows(img_pos))  # (B, comb_max, 3)
         self.cap = StreamContext(key_mask(cap_lens, self.cap_max), cap_rope)
         self.img = StreamContext(key_mask(self.comb_lens, self.comb_max), img_rope)
-        self.noise = StreamContext(key_mask(self.img_lens, self.img_max), rope(noise_pos))
+        self.noise = StreamContext(key_mask(self.img_lens, self.img_max), rope(pad_rows(noise_pos)))  # (B, img_max, 3)
         self.joint = StreamContext(key_mask(self.seq_lens, self.seq_max),
                                    tuple(self.merge(c, i) for c, i in zip(cap_rope, img_rope)))
         # Reference images refined one per row: (num_refs, ref_max, ...).
@@ -407,11 +390,7 @@ class _Layout:
         self.ref_flat_lens = [n for lens in self.ref_lens for n in lens]
         self.ref_index_in_sample = [j for b in range(self.batch) for j in range(len(ref_sizes[b]))]
         if ref_pos:
-            self.ref_max = max(self.ref_flat_lens)
-            padded = torch.zeros(len(ref_pos), self.ref_max, 3, dtype=torch.long, device=device)
-            for r, piece in enumerate(ref_pos):
-                padded[r, : piece.shape[0]] = piece
-            self.ref = StreamContext(key_mask(self.ref_flat_lens, self.ref_max), rope(padded))
+            self.ref = StreamContext(key_mask(self.ref_flat_lens, max(self.ref_flat_lens)), rope(pad_rows(ref_pos)))
 
     def merge(self, instruct: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
         """(B, cap_max, F) + (B, comb_max, F) -> joint (B, seq_max, F); padding positions are zero."""
@@ -453,14 +432,9 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """
 
     _supports_gradient_checkpointing = True
-    _no_split_modules = [
-        "BooguImageTransformerBlock",
-        "BooguImageNoiseRefinerTransformerBlock",
-        "BooguImageRefImgRefinerTransformerBlock",
-        "BooguImageContextRefinerTransformerBlock",
-        "BooguImageSingleStreamTransformerBlock",
-        "BooguImageDoubleStreamTransformerBlock",
-    ]
+    _no_split_modules = ["BooguImageTransformerBlock", "BooguImageNoiseRefinerTransformerBlock",
+                         "BooguImageRefImgRefinerTransformerBlock", "BooguImageContextRefinerTransformerBlock",
+                         "BooguImageSingleStreamTransformerBlock", "BooguImageDoubleStreamTransformerBlock"]
     _skip_layerwise_casting_patterns = ["x_embedder", "norm", "embedding"]
 
     @register_to_config
@@ -507,16 +481,14 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
         self.x_embedder = nn.Linear(patch_dim, hidden_size)
         self.ref_image_patch_embedder = nn.Linear(patch_dim, hidden_size)
         self.time_caption_embed = TimeCaptionEmbedding(hidden_size, feat_dim, norm_eps, timestep_scale)
-        self.noise_refiner = nn.ModuleList(
-            [BooguImageNoiseRefinerTransformerBlock(*block_args) for _ in range(num_refiner_layers)])
-        self.ref_image_refiner = nn.ModuleList(
-            [BooguImageRefImgRefinerTransformerBlock(*block_args) for _ in range(num_refiner_layers)])
-        self.context_refiner = nn.ModuleList(
-            [BooguImageContextRefinerTransformerBlock(*block_args, modulation=False) for _ in range(num_refiner_layers)])
-        self.double_stream_layers = nn.ModuleList(
-            [BooguImageDoubleStreamTransformerBlock(*block_args) for _ in range(num_double_stream_layers)])
-        self.single_stream_layers = nn.ModuleList(
-            [BooguImageSingleStreamTransformerBlock(*block_args) for _ in range(num_layers - num_double_stream_layers)])
+        def blocks(cls: type[nn.Module], count: int, **kwargs: Any) -> nn.ModuleList:
+            return nn.ModuleList([cls(*block_args, **kwargs) for _ in range(count)])
+
+        self.noise_refiner = blocks(BooguImageNoiseRefinerTransformerBlock, num_refiner_layers)
+        self.ref_image_refiner = blocks(BooguImageRefImgRefinerTransformerBlock, num_refiner_layers)
+        self.context_refiner = blocks(BooguImageContextRefinerTransformerBlock, num_refiner_layers, modulation=False)
+        self.double_stream_layers = blocks(BooguImageDoubleStreamTransformerBlock, num_double_stream_layers)
+        self.single_stream_layers = blocks(BooguImageSingleStreamTransformerBlock, num_layers - num_double_stream_layers)
         self.norm_out = AdaLayerNormOut(hidden_size, min(hidden_size, 1024), patch_size * patch_size * self.out_channels)
         self.image_index_embedding = nn.Parameter(torch.randn(5, hidden_size) * 0.02)  # up to 5 reference images
         self.gradient_checkpointing = False
@@ -602,25 +574,23 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             instruction_mask = torch.ones(instruction.shape[:2], dtype=torch.long, device=device)
         valid = instruction_mask.to(device=device).bool()
         cap_lens = valid.sum(dim=1).tolist()
-        prefix = torch.arange(valid.shape[1], device=device)[None, :] < torch.tensor(cap_lens, device=device)[:, None]
-        if not torch.equal(valid, prefix):
+        if not torch.equal(valid, prefix_mask(cap_lens, valid.shape[1], device)):
             raise ValueError("instruction_attention_mask must be right-padded (1s then 0s in every row)")
         if min(cap_lens) < 1:
             raise ValueError("every sample needs at least one valid instruction token")
         instruction = instruction[:, : max(cap_lens)]  # trailing all-padding columns never reach a valid token
 
-        if refs is None:
-            refs = [None] * batch
-        elif isinstance(refs, torch.Tensor):
+        if isinstance(refs, torch.Tensor):
             if refs.ndim != 4 or refs.shape[0] != batch:
                 raise ValueError(f"ref_image_hidden_states tensor must be (B, C, h, w), got {tuple(refs.shape)}")
             refs = [[r] for r in refs]
+        refs = [[] for _ in range(batch)] if refs is None else [list(r) if r is not None else [] for r in refs]
         if len(refs) != batch:
             raise ValueError(f"ref_image_hidden_states has {len(refs)} entries for a batch of {batch}")
-        refs = [list(r) if r is not None else [] for r in refs]
+        max_refs = self.image_index_embedding.shape[0]
         for sample_refs in refs:
-            if len(sample_refs) > self.image_index_embedding.shape[0]:
-                raise ValueError(f"at most {self.image_index_embedding.shape[0]} reference images per sample")
+            if len(sample_refs) > max_refs:
+                raise ValueError(f"at most {max_refs} reference images per sample")
             for r in sample_refs:
                 if r.ndim != 3 or r.shape[-1] % p or r.shape[-2] % p:
                     raise ValueError(f"reference latents must be (C, h, w) with h, w multiples of {p}, got {tuple(r.shape)}")
@@ -629,43 +599,32 @@ class BooguImageTransformer2DModel(ModelMixin, ConfigMixin, PeftAdapterMixin):
             timestep = timestep.expand(batch)
         temb, instruction = self.time_caption_embed(timestep, instruction, dtype)
 
-        layout = _Layout(
-            cap_lens,
-            [[(r.shape[-2] // p, r.shape[-1] // p) for r in sample_refs] for sample_refs in refs],
-            [(img.shape[-2] // p, img.shape[-1] // p) for img in images],
-            cfg.axes_dim_rope, cfg.axes_lens, 10000.0, freqs_cis, device,
-        )
+        ref_sizes = [[(r.shape[-2] // p, r.shape[-1] // p) for r in sample_refs] for sample_refs in refs]
+        layout = _Layout(cap_lens, ref_sizes, [(img.shape[-2] // p, img.shape[-1] // p) for img in images],
+                         cfg.axes_dim_rope, cfg.axes_lens, 10000.0, freqs_cis, device)
 
         # Noise tokens (B, img_max, D).
         if is_tensor:
             noise = self.x_embedder(patchify(hidden_states, p))
         else:
-            noise = self.x_embedder(nn.utils.rnn.pad_sequence([patchify(img, p) for img in images], batch_first=True))
+            noise = self.x_embedder(pad_rows([patchify(img, p) for img in images]))
         for block in self.context_refiner:
             instruction = self._run(block, instruction, layout.cap)
         for block in self.noise_refiner:
             noise = self._run(block, noise, layout.noise, temb)
 
         # Reference tokens, one image per row (num_refs, ref_max, D), refined with their owner's temb.
-        pieces: list[torch.Tensor] = []
         flat_refs = [r for sample_refs in refs for r in sample_refs]
         if flat_refs:
-            ref_tokens = nn.utils.rnn.pad_sequence([patchify(r, p) for r in flat_refs], batch_first=True)
-            ref_tokens = self.ref_image_patch_embedder(ref_tokens.to(dtype))
+            ref_tokens = self.ref_image_patch_embedder(pad_rows([patchify(r, p) for r in flat_refs]).to(dtype))
             ref_tokens = ref_tokens + self.image_index_embedding[layout.ref_index_in_sample][:, None, :].to(ref_tokens.dtype)
             ref_temb = temb[layout.ref_owner]
             for block in self.ref_image_refiner:
                 ref_tokens = self._run(block, ref_tokens, layout.ref, ref_temb)
-            # Image stream per sample: [references ; noise], padded to comb_max.
-            r = 0
-            for b in range(batch):
-                sample = []
-                for _ in refs[b]:
-                    sample.append(ref_tokens[r, : layout.ref_flat_lens[r]])
-                    r += 1
-                sample.append(noise[b, : layout.img_lens[b]])
-                pieces.append(torch.cat(sample, dim=0))
-            img = nn.utils.rnn.pad_sequence(pieces, batch_first=True)
+            # Image stream (B, comb_max, D): per sample [its references ; noise].
+            rows = iter(ref_tokens[r, :n] for r, n in enumerate(layout.ref_flat_lens))
+            img = pad_rows([torch.cat([next(rows) for _ in refs[b]] + [noise[b, : layout.img_lens[b]]], dim=0)
+                       for b in range(batch)])
         else:
             img = noise  # no references anywhere: the image stream is the noise stream
 
@@ -706,8 +665,7 @@ def boogu_image_forward_flops(config: Any, image_tokens: int, text_tokens: Seque
     cfg = config
     d, heads = cfg.hidden_size, cfg.num_attention_heads
     kv = cfg.num_kv_heads * (d // heads)
-    inner = 4 * d if cfg.ffn_dim_multiplier is None else int(cfg.ffn_dim_multiplier * 4 * d)
-    ffn = 3 * d * (cfg.multiple_of * ((inner + cfg.multiple_of - 1) // cfg.multiple_of))
+    ffn = 3 * d * swiglu_inner_dim(d, cfg.multiple_of, cfg.ffn_dim_multiplier)
     t_dim = min(d, 1024)
     patch_in = cfg.patch_size**2 * cfg.in_channels
     patch_out = cfg.patch_size**2 * (cfg.out_channels or cfg.in_channels)
