@@ -43,7 +43,7 @@ def make_boat(tmp_path, monkeypatch, **flags):
 
     monkeypatch.setattr(lifeboat_module, "save_gathered", save)
     monkeypatch.setattr(lifeboat_module, "write_checkpoint", write)
-    boat.gather, boat.close = (lambda step: SimpleNamespace(step=step)), (lambda: closed.append(True))
+    boat.gather, boat.close_run = (lambda step: SimpleNamespace(step=step)), (lambda: closed.append(True))
     return boat, stepper, written, closed
 
 

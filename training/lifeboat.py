@@ -40,7 +40,8 @@ FATAL_SAVE_EXCLUDED: tuple[type, ...] = (TrainingDiverged, CheckpointError)
 @dataclass
 class Lifeboat:
     """A run's checkpoints, stops and run lock (see the module docstring). `setup_run` builds it, the `Run` holds it
-    and `arm` gives it the run's `gather` and `close` and installs the stop-signal and orphan handlers."""
+    and `arm` gives it the run's `gather` and `close` (`close_run`) and installs the stop-signal and orphan
+    handlers."""
 
     args: Any
     rank: int
@@ -53,7 +54,7 @@ class Lifeboat:
     run_lock: RunLock | None = None        # rank 0: <output_dir>/RUN_LOCK, released by `release_lock`
     stop_signals: StopSignals | None = None  # installed by `arm`
     gather: Callable[[int], GatheredState] | None = None  # `Run.gather`, given by `arm`
-    close: Callable[[], None] | None = None  # `Run.close`, given by `arm`: run before a stop exits
+    close_run: Callable[[], None] | None = None  # `Run.close`, given by `arm`: run before a stop exits
     last_saved_step: int = -1
     last_checkpoint: str | None = None  # the path `save` wrote last (the end-of-run summary names it)
     save_pending: bool = False     # a checkpoint that fell on a skipped (non-finite) step: written at the next good one
@@ -65,11 +66,13 @@ class Lifeboat:
     def __post_init__(self) -> None:
         self._applied_seen, self._skipped_seen = self.stepper.applied_steps, self.stepper.skipped_steps
 
-    def arm(self, gather: Callable[[int], GatheredState], close: Callable[[], None], on_orphaned: list[Any]) -> None:
+    def arm(self, gather: Callable[[int], GatheredState], close_run: Callable[[], None],
+            on_orphaned: list[Any]) -> None:
         """Once the run exists: save through `gather` (the state of a finished step, collective), end a stop with
-        `close`, handle SIGTERM/SIGINT/SIGHUP (`StopSignals`, with the at-once write of the last finished step,
-        `on_signal`) and make `on_orphaned` (`run.guard_start_up`'s one-element list) call `on_orphaned`."""
-        self.gather, self.close = gather, close
+        `close_run`, handle SIGTERM/SIGINT/SIGHUP (`StopSignals`, with the at-once write of the last finished step,
+        `on_signal`) and put `self.on_orphaned` into `on_orphaned`, the one-element list of the orphan handler
+        (`run.guard_start_up`)."""
+        self.gather, self.close_run = gather, close_run
         self.stop_signals = StopSignals(self.rank == 0)
         self.stop_signals.install(on_signal=self.on_signal)
         on_orphaned[0] = self.on_orphaned
@@ -121,7 +124,7 @@ class Lifeboat:
             code = 0
         if self.rank == 0:
             print(line, flush=True)
-        self.close()
+        self.close_run()
         raise SystemExit(code)
 
     # ------------------------------------------------------------------------------------- checkpoints, snapshots
@@ -227,7 +230,7 @@ class Lifeboat:
 
     def note_updates(self, step: int, transformer) -> bool:
         """After step `step`: note whether its update was applied, report skips, and stop the run (TrainingDiverged,
-        on every rank alike, after `close`) after --max_consecutive_skips skips in a row. `transformer`: the
+        on every rank alike, after `close_run`) after --max_consecutive_skips skips in a row. `transformer`: the
         trained model (the divergence message reads its largest LoRA value). Returns whether the step ended
         skipped."""
         stepper, args = self.stepper, self.args
@@ -241,7 +244,7 @@ class Lifeboat:
                   f"{args.max_consecutive_skips})", flush=True)
         if args.max_consecutive_skips > 0 and stepper.consecutive_skips >= args.max_consecutive_skips:
             message = self.divergence_message(step, transformer)
-            self.close()
+            self.close_run()
             raise TrainingDiverged(message)
         return stepper.consecutive_skips > 0
 
