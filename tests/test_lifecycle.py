@@ -1,4 +1,4 @@
-"""A run's life on a shared machine (training/lifecycle.py, training/run.py): one live run per --output_dir (the
+"""A run's life on a shared machine (training/lifecycle.py, training/lifeboat.py): one live run per --output_dir (the
 run lock), no orphans (the ranks' parent watchdog, the rollout workers' parent-death signal), a checkpoint on
 every way out (SIGTERM within the launcher's shutdown window, a judge that stays down, a dead rollout worker, the
 agent's death) and a frozen rank named. The component checks are fast; the whole-trainer ones are marked slow."""

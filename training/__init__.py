@@ -43,9 +43,10 @@ tests/test_architecture.py). Everything else is imported from the module that de
    the rollout workers use) and `profile_table`, the pure per-phase table of device busy / idle time, host reads,
    memory copies (and what issued them) and top kernels.
 15. `run.py`: `setup_run` (one named phase per line) / `Run`, the setup both trainers do before their loop and the
-   tail of every step (log, validate, checkpoint, the divergence stop), the stops at a step boundary on a signal or
-   --max_wall_time_s, the last finished step written at once on a signal, a fatal judge / rollout error or the
-   agent's death, so each trainer file holds only its algorithm.
+   tail of every step (log, validate, checkpoint), so each trainer file holds only its algorithm. `lifeboat.py`:
+   the `Lifeboat` a `Run` holds: its checkpoints, the stops at a step boundary on a signal or --max_wall_time_s,
+   the last finished step written at once on a signal, a fatal judge / rollout error or the agent's death, the
+   divergence stop (`TrainingDiverged`) and the release of the run lock.
 16. `cli.py`: the trainers' command line: a bad flag or a failure is one line on the console (rank 0; "did you
    mean" for a misspelt flag), the traceback goes to `<output_dir>/train.log`.
 17. `lifecycle.py`: one live run per --output_dir (an advisory lock file), the parent watchdog of the ranks (no

@@ -320,10 +320,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopSignals:
-    """SIGTERM / SIGINT / SIGHUP on a trainer rank: the first asks for a stop at the next step boundary (`Run.steps`: every
-    rank stops at the same step, with a checkpoint); a repeat more than 3 s later (an operator's second Ctrl-C)
-    stops at once without one. Repeats within 3 s are the same request: torchrun forwards a terminal Ctrl-C that
-    the ranks also received directly."""
+    """SIGTERM / SIGINT / SIGHUP on a trainer rank: the first asks for a stop at the next step boundary
+    (`lifeboat.Lifeboat.stop_if_asked`, called by `Run.steps`: every rank stops at the same step, with a
+    checkpoint); a repeat more than 3 s later (an operator's second Ctrl-C) stops at once without one. Repeats
+    within 3 s are the same request: torchrun forwards a terminal Ctrl-C that the ranks also received directly."""
 
     def __init__(self, announce: bool = True) -> None:
         self.signum = 0

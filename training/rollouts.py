@@ -133,7 +133,7 @@ def check_judge_replies(run, rows: Sequence[Any], scored, replies: JudgeReplyCou
             f"the OCR judge ({which}): {what}, {replies.unusable / replies.judged:.0%} > --judge_max_unusable_frac "
             f"{limit:g}: a judge that does not read trains on zero rewards. Its replies are in {log_path}; check the "
             f"served model and its prompt, then --resume auto")
-        run.fail_with_checkpoint(error, phase)
+        run.lifeboat.fail_with_checkpoint(error, phase)
         raise error
 
 

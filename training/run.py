@@ -1,34 +1,33 @@
 """`setup_run` / `Run`: the setup both trainers do before their loop and the tail of every step (log, validate,
-checkpoint), so each trainer file holds only its algorithm."""
+checkpoint), so each trainer file holds only its algorithm. The run's checkpoints and its ways out (stop signals,
+--max_wall_time_s, the at-once write of the last finished step, the divergence stop, the run lock) are the `Lifeboat`
+that a `Run` holds (training/lifeboat.py)."""
 
 from __future__ import annotations
 
 import atexit
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 import torch
-import torch.distributed as dist
 from models import lora
 from models.base import attention_backend
 
 from .distributed import (RankFailed, cleanup_distributed, collective_timeout_s, get_rank, init_distributed,
                           on_rank0, raise_if_any_rank_failed, seed_everything)
-from .lifecycle import (RunLock, RunLockError, StopSignals, install_collective_explainer, say_from_thread,
-                        start_heartbeats, stop_at_once_on_signals, watch_parent)
+from .lifecycle import (RunLock, RunLockError, install_collective_explainer, say_from_thread, start_heartbeats,
+                        stop_at_once_on_signals, watch_parent)
+from .lifeboat import Lifeboat
 from .preflight import PreflightError, check_flags, run_preflight
 from .profiling import ProfileWindow
-from .model import ADAPTER_DEFAULT, adapter_params, load_flow_model, prepare_transformer
-from .optim import (GradStepper, local_shard, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
+from .model import ADAPTER_DEFAULT, load_flow_model, prepare_transformer
+from .optim import (GradStepper, build_lr_scheduler, build_optimizer, load_lr_scheduler_state_,
                     lr_scheduler_state)
 from .data import PromptSampler
-from .checkpoint import (CheckpointError, GatheredState, checkpoint_on_rank0, complete_steps, find_latest,
-                         gather_checkpoint, load_checkpoint, save_gathered, write_checkpoint)
+from .checkpoint import GatheredState, checkpoint_on_rank0, gather_checkpoint, load_checkpoint
 from .resume_policy import content_fingerprints
 from .resume import ResumePlan, prepare_resume
 from .console import discard_console_log, tee_console
@@ -39,15 +38,7 @@ from .flags import check_batch_sizes, parse_lora_init, resolve_device
 from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter
 from .validation import validate
 
-__all__ = ["Run", "setup_run", "TrainingDiverged", "prepare_output_dir", "FATAL_SAVE_EXCLUDED"]
-
-
-class TrainingDiverged(RuntimeError):
-    """--max_consecutive_skips optimizer steps in a row were non-finite; the message says what to resume from."""
-
-
-# errors in the state itself: no checkpoint is written from it on the way out (see `Run.fail_with_checkpoint`)
-FATAL_SAVE_EXCLUDED: tuple[type, ...] = (TrainingDiverged, CheckpointError)
+__all__ = ["Run", "setup_run", "prepare_output_dir"]
 
 
 @dataclass
@@ -55,7 +46,9 @@ class Run:
     """Everything a trainer builds before its loop (see `setup_run`) plus the per-step tail both trainers share.
 
     The trainer files keep what differs between the algorithms: the rollout request, the advantages, the update,
-    and which adapter the rollout workers sample with (`sync_rollout`)."""
+    and which adapter the rollout workers sample with (`sync_rollout`). The run's checkpoints and its ways out
+    (stop signals, --max_wall_time_s, the at-once write of the last finished step, the divergence stop, the run
+    lock) are its `lifeboat` (training/lifeboat.py)."""
 
     args: Any
     config: dict[str, Any]
@@ -75,35 +68,25 @@ class Run:
     mini_prompts: int              # prompts per optimizer step (global)
     scorer: Any
     rollout: Any                   # rollout.DistributedRollout
-    ckpt_root: str
     adapters_root: str
     start_step: int
     progress: Progress
+    lifeboat: Lifeboat             # checkpoints, stops, the divergence stop, the run lock (training/lifeboat.py)
     lr_scheduler: Any = None       # torch LambdaLR (training.optim.build_lr_scheduler), stepped once per step
     rollout_adapter: str | None = None  # what the rollout workers sample with, and its version (last sync_rollout)
     rollout_version: int = 0
     ckpt_config: dict[str, Any] = field(default_factory=dict)  # config + content fingerprints (what resume checks)
     started_at: float = field(default_factory=time.monotonic)  # the training loop's start (`steps`)
-    stop_signals: StopSignals | None = None
-    last_update_step: int = 0      # the last step whose update was applied (the divergence advice starts there)
-    last_saved_step: int = -1
-    last_checkpoint: str | None = None  # the path `save` wrote last (the end-of-run summary names it)
-    last_val_metrics: dict[str, float] = field(default_factory=dict)  # the last validation's metrics (same)
-    save_pending: bool = False     # a checkpoint that fell on a skipped (non-finite) step: written at the next good one
-    snapshot: GatheredState | None = None  # rank 0: the last finished (applied) step's state, not yet on disk
-    run_lock: RunLock | None = None        # rank 0: <output_dir>/RUN_LOCK, released by close()
-    _save_lock: threading.Lock = field(default_factory=threading.Lock)
-    _applied_seen: int = 0
-    _skipped_seen: int = 0
+    last_val_metrics: dict[str, float] = field(default_factory=dict)  # the last validation's metrics (summary)
 
     def steps(self) -> Iterator[int]:
         """The steps still to run: start_step + 1 .. total_training_steps. Before each one, every rank checks
-        together whether a stop was asked for (SIGTERM/SIGINT/SIGHUP on any rank, --max_wall_time_s) and, if so, ends the
-        run at this step boundary (`_stop`), so all ranks stop at the same step. --max_wall_time_s counts from the
-        first step of this process (set-up, model loading and validation before training excluded), so at least
-        one step runs. The loop runs under --attention_backend; with --profile_step the profiler records that step from
-        its start to the end of its first --profile_micro_steps update micro-steps (`training.profiling.ProfileWindow`,
-        <output_dir>/profile/trainer-rank<r>.json.gz)."""
+        together whether a stop was asked for (SIGTERM/SIGINT/SIGHUP on any rank, --max_wall_time_s) and, if so,
+        ends the run at this step boundary (`Lifeboat.stop_if_asked`), so all ranks stop at the same step.
+        --max_wall_time_s counts from the first step of this process (set-up, model loading and validation before
+        training excluded), so at least one step runs. The loop runs under --attention_backend; with --profile_step
+        the profiler records that step from its start to the end of its first --profile_micro_steps update
+        micro-steps (`training.profiling.ProfileWindow`, <output_dir>/profile/trainer-rank<r>.json.gz)."""
         args = self.args
         self.started_at = time.monotonic()
         if self.start_step >= args.total_training_steps and self.rank == 0:
@@ -114,7 +97,7 @@ class Run:
                                micro_steps=args.profile_micro_steps, cuda=self.device.type == "cuda")
         with attention_backend(args.attention_backend):
             for step in range(self.start_step + 1, args.total_training_steps + 1):
-                self._maybe_stop(step - 1)
+                self.lifeboat.stop_if_asked(step - 1, self.started_at)
                 if profiling and step == args.profile_step:
                     window.start()
                     self.stepper.on_loss = window.tick
@@ -126,149 +109,22 @@ class Run:
                         window.stop()
         if self.rank == 0 and args.total_training_steps > self.start_step:  # the last step's tail is done
             print(run_summary(self.start_step + 1, args.total_training_steps, time.monotonic() - self.started_at,
-                              self.last_val_metrics, self.last_checkpoint, args.output_dir), flush=True)
-
-    def _maybe_stop(self, done: int) -> None:
-        """Collective (one all_reduce): stop after step `done` if any rank got a signal or the wall time is up."""
-        args, now = self.args, time.monotonic()
-        signals = self.stop_signals
-        signum = signals.signum if signals else 0
-        budget = args.stop_save_budget_s
-        over_budget = bool(signum and budget > 0 and now - signals.received_at > budget)
-        wall = bool(args.max_wall_time_s and args.max_wall_time_s > 0 and done > self.start_step
-                    and now - self.started_at >= args.max_wall_time_s)
-        # rank 0's last saved step: a signal may have had the last finished step written at once (`_write_snapshot`)
-        flags = torch.tensor([float(signum), float(wall), float(over_budget), float(self.last_saved_step)],
-                             dtype=torch.float64)
-        if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, also in the NCCL+gloo group
-        signum, wall, over_budget = int(flags[0]), bool(flags[1]), bool(flags[2])
-        self.last_saved_step = int(flags[3])
-        if signum or wall:
-            self._stop(done, signum, wall, over_budget)
-
-    def _stop(self, done: int, signum: int, wall: bool, over_budget: bool) -> None:
-        """Checkpoint at step `done` (unless it is already saved, or SIGTERM's --stop_save_budget_s ran out), print
-        one line, close, exit: 0 for --max_wall_time_s, 128 + signal number for a signal."""
-        args = self.args
-        path = None
-        saved_already = done <= max(self.start_step, self.last_saved_step)
-        if not saved_already and not over_budget:
-            path = self.save(done)
-        latest = path or (find_latest(self.ckpt_root) if self.rank == 0 else None)
-        where = f"--resume auto (checkpoint {latest})" if latest else "--resume auto (no checkpoint yet: step 0)"
-        if signum:
-            name = signal.Signals(signum).name
-            reason = ("" if path or saved_already else
-                      f"; no checkpoint written: the step ended more than --stop_save_budget_s "
-                      f"{args.stop_save_budget_s:g} s after the signal")
-            line = f"stopped by {name} at step {done}{reason}; resume with {where} and the same flags"
-            code = 128 + signum
-        else:
-            elapsed = time.monotonic() - self.started_at
-            line = (f"stopped at step {done} after {elapsed:.0f} s of training (--max_wall_time_s "
-                    f"{args.max_wall_time_s:g}); "
-                    f"continue with {where} and the same flags")
-            code = 0
-        if self.rank == 0:
-            print(line, flush=True)
-        self.close()
-        raise SystemExit(code)
+                              self.last_val_metrics, self.lifeboat.last_checkpoint, args.output_dir), flush=True)
 
     def gather(self, step: int) -> GatheredState:
-        """The state of finished step `step`, gathered to rank 0 (`gather_checkpoint`). Collective."""
+        """The state of finished step `step`, gathered to rank 0 (`gather_checkpoint`); what the lifeboat saves.
+        Collective."""
         return gather_checkpoint(step, transformer=self.model.transformer, optimizer=self.optimizer,
                                  lora_config=self.lora_config, config=self.ckpt_config or self.config,
                                  sampler=self.sampler, adapter_names=self.adapter_names,
                                  trainer_state={"grad_stepper": self.stepper.state_dict(),
-                                                "last_update_step": self.last_update_step,
+                                                "last_update_step": self.lifeboat.last_update_step,
                                                 "lr_scheduler": lr_scheduler_state(self.lr_scheduler)})
-
-    def save(self, step: int) -> str:
-        """Checkpoint `step` (see `save_checkpoint`) and say so on rank 0. Collective."""
-        start = time.perf_counter()
-        gathered = self.gather(step)
-        with self._save_lock:
-            path = save_gathered(self.ckpt_root, gathered, keep_last=self.args.keep_last)
-            self.last_saved_step, self.save_pending, self.snapshot = step, False, None
-            self.last_checkpoint = path
-        if self.rank == 0:
-            print(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s)", flush=True)
-        return path
-
-    def keep_snapshot(self, step: int) -> None:
-        """--save_on_exit last_step: hold finished step `step`'s state in rank 0's memory, so that a signal, a fatal
-        judge / rollout error or the torchrun agent's death can write it at once (`_write_snapshot`) instead of
-        losing the steps since the last checkpoint. Collective (one gather of the LoRA-sized state)."""
-        if getattr(self.args, "save_on_exit", "off") != "last_step" or step <= self.last_saved_step:
-            return
-        gathered = self.gather(step)
-        with self._save_lock:
-            self.snapshot = gathered if self.rank == 0 else None
-
-    def _write_snapshot(self, why: str, lock_timeout_s: float = 600.0) -> str | None:
-        """Rank 0, no collective (safe from a helper thread while the main thread is anywhere): write the held
-        state of the last finished step unless it is already on disk; print one line saying so and why. Returns
-        the checkpoint path (None when there was nothing to write or the write failed, which is printed too)."""
-        if self.rank != 0:
-            return None
-        if not self._save_lock.acquire(timeout=lock_timeout_s):  # the main thread is inside a save of its own
-            say_from_thread(f"not saving the last finished step ({why}): a checkpoint save is still in progress",
-                            sys.stderr)
-            return None
-        try:
-            snap = self.snapshot
-            if snap is None or snap.step <= self.last_saved_step:
-                return None
-            start = time.perf_counter()
-            try:
-                path = write_checkpoint(self.ckpt_root, snap, keep_last=self.args.keep_last)
-            except Exception as e:  # noqa: BLE001 - reported; the caller goes on with its own way out
-                say_from_thread(f"could not save the last finished step {snap.step} ({why}): "
-                                f"{type(e).__name__}: {e}", sys.stderr)
-                return None
-            self.last_saved_step, self.snapshot = snap.step, None
-        finally:
-            self._save_lock.release()
-        say_from_thread(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s): step {snap.step}, the last "
-                        f"finished step, written at once ({why})", sys.stdout)
-        return path
-
-    def _on_signal(self, signum: int) -> None:
-        """The first stop signal (from the stop-signal thread): write the last finished step now, within the
-        launcher's shutdown window, whatever the main thread is doing; it still stops at the end of its step and
-        saves that one too if it gets there in time."""
-        self._write_snapshot(f"on {signal.Signals(signum).name}")
-
-    def _on_orphaned(self, old: int, new: int) -> None:
-        """The parent watchdog: the torchrun agent (pid `old`) died, so no one supervises this rank any more. Write
-        the last finished step (rank 0), say so, and exit at once; the rank's rollout workers die with it (their
-        parent-death signal)."""
-        say_from_thread(f"rank {self.rank}: the torchrun agent (pid {old}) died (parent is now {new}): exiting, "
-                        "and its rollout workers with it", sys.stderr)
-        self._write_snapshot(f"the torchrun agent pid {old} died", lock_timeout_s=30.0)
-        os._exit(1)
-
-    def fail_with_checkpoint(self, error: BaseException, what: str, *, agreed: bool = True) -> None:
-        """A fatal error (a judge that stays down, a dead rollout worker, a failed collective): write the last
-        finished step before the run ends, unless the error is in the state itself (a divergence, a checkpoint
-        that cannot be written). `agreed`: every rank raises this error alike, so the others wait for rank 0's
-        write (one barrier; torchrun would otherwise kill rank 0 mid-write once they exit); False for an error of
-        the collective itself, where a barrier would only time out again. The caller raises `error`."""
-        if isinstance(error, FATAL_SAVE_EXCLUDED) or getattr(self.args, "save_on_exit", "off") != "last_step":
-            return
-        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        self._write_snapshot(f"before stopping on the error in {what}: {type(error).__name__}: {first}")
-        if agreed and dist.is_initialized() and self.world > 1:
-            try:
-                dist.barrier()
-            except Exception:  # noqa: BLE001 - the error being raised says more
-                pass
 
     def sync_rollout(self, adapter: str, step: int) -> dict[str, float]:
         """Publish `adapter` to the rollout workers as version `step` (see `sync_rollout_adapter`). Collective: a
         failure on any rank (a rollout worker that died) ends every rank with its message, after the last finished
-        step was written (`fail_with_checkpoint`)."""
+        step was written (`raise_fatal`)."""
         self.rollout_adapter, self.rollout_version = adapter, step
         error: BaseException | None = None
         timings: dict[str, float] = {}
@@ -283,11 +139,11 @@ class Run:
 
     def raise_fatal(self, error: BaseException | None, what: str) -> None:
         """Collective: every rank hears whether any rank failed in phase `what` (`raise_if_any_rank_failed`); if one
-        did, the last finished step is written (`fail_with_checkpoint`) and every rank raises."""
+        did, the last finished step is written (`Lifeboat.fail_with_checkpoint`) and every rank raises."""
         try:
             raise_if_any_rank_failed(error, what)
         except Exception as e:
-            self.fail_with_checkpoint(e, what, agreed=e is error or isinstance(e, RankFailed))
+            self.lifeboat.fail_with_checkpoint(e, what, agreed=e is error or isinstance(e, RankFailed))
             raise
 
     @property
@@ -321,7 +177,7 @@ class Run:
         """The tail of a step: timing and throughput metrics, TensorBoard (flushed), the progress line, a line per
         skipped (non-finite) optimizer step and the --max_consecutive_skips stop, validation every --test_freq steps
         and at the end, a checkpoint every --save_freq steps and at the end (one due on a step that ended skipped is
-        deferred to the next applied one). Collective."""
+        deferred to the next applied one; `Lifeboat.note_updates`, `Lifeboat.checkpoint`). Collective."""
         args = self.args
         if self.lr_scheduler is not None:  # the step's updates are done (actor/lr logged the lr they used)
             self.lr_scheduler.step()
@@ -335,78 +191,17 @@ class Run:
         if self.rank == 0:
             print(self.progress.line(step, step_time, metrics), flush=True)
         self.logger.flush()  # a crash later loses no logged step (a resume purges the replayed ones)
-        skipped_now = self._track_updates(step)
+        skipped_now = self.lifeboat.note_updates(step, self.model.transformer)  # the divergence stop
         last = step == args.total_training_steps
         if self.val_data is not None and ((args.test_freq and step % args.test_freq == 0) or last):
             self.validate(step)
-        if step % args.save_freq == 0 or last or self.save_pending:
-            if skipped_now and not last:  # these weights just gave NaN/inf: do not let them push out a good one
-                self.save_pending = True
-                if self.rank == 0:
-                    print(f"step {step}: checkpoint deferred to the next step whose update is applied", flush=True)
-            else:
-                self.save(step)
-        if not skipped_now:  # a skipped step's weights just gave NaN/inf: the held state stays the last good one
-            self.keep_snapshot(step)
-
-    def _track_updates(self, step: int) -> bool:
-        """After step `step`: note whether its update was applied, report skips, and stop the run (TrainingDiverged,
-        on every rank alike) after --max_consecutive_skips skips in a row. Returns whether the step ended skipped."""
-        stepper, args = self.stepper, self.args
-        if stepper.applied_steps > self._applied_seen:
-            self.last_update_step = step
-        skipped = stepper.skipped_steps - self._skipped_seen
-        self._applied_seen, self._skipped_seen = stepper.applied_steps, stepper.skipped_steps
-        if skipped and self.rank == 0:
-            print(f"step {step}: skipped {skipped} optimizer step(s): {stepper.last_skip_reason}; "
-                  f"{stepper.consecutive_skips} in a row (the run stops at --max_consecutive_skips "
-                  f"{args.max_consecutive_skips})", flush=True)
-        if args.max_consecutive_skips > 0 and stepper.consecutive_skips >= args.max_consecutive_skips:
-            message = self._divergence_message(step)
-            self.close()
-            raise TrainingDiverged(message)
-        return stepper.consecutive_skips > 0
-
-    def _divergence_message(self, step: int) -> str:
-        """What diverged, where the weights came from and which checkpoint + change to resume with. Collective."""
-        args, stepper, update = self.args, self.stepper, self.last_update_step
-        largest = torch.zeros((), dtype=torch.float64)
-        for _, p in adapter_params(self.model.transformer, ADAPTER_DEFAULT):
-            local = local_shard(p.detach())
-            if local.numel():
-                largest = torch.maximum(largest, local.abs().max().double().cpu())
-        if dist.is_initialized() and self.world > 1:
-            largest = largest.to(self.device)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-        lines = [f"training diverged: {stepper.consecutive_skips} optimizer steps in a row were skipped "
-                 f"(--max_consecutive_skips {args.max_consecutive_skips}), the last at step {step}: "
-                 f"{stepper.last_skip_reason}. Nothing was updated since, and no checkpoint was written from NaN/inf."]
-        if update <= 0:
-            lines.append(f"No update was ever applied in this run: the starting weights (largest |LoRA value| "
-                         f"{float(largest):.3g}) already give NaN/inf; check the model, --precision and the data.")
-            return "\n".join(lines)
-        lines.append(f"The LoRA weights are finite (largest |value| {float(largest):.3g}) but give NaN/inf; they are "
-                     f"the result of the update of step {update}, so the checkpoints from step {update} on hold them.")
-        earlier = None
-        if self.rank == 0 and os.path.isdir(self.ckpt_root):
-            older = [s for s in complete_steps(self.ckpt_root) if s < update]
-            earlier = os.path.join(self.ckpt_root, f"step_{older[-1]:08d}") if older else None
-        smaller = f"{args.lr / 10:g}"
-        if earlier:
-            lines.append(f"Resume from the last checkpoint before it with a smaller learning rate: --resume {earlier} "
-                         f"--lr {smaller} --resume_force (--lr is fingerprinted; --resume_force accepts the change).")
-        else:
-            lines.append(f"No checkpoint precedes step {update}: start over with a smaller learning rate: --resume "
-                         f"never --lr {smaller} (the current checkpoints are moved aside, not deleted).")
-        return "\n".join(lines)
+        self.lifeboat.checkpoint(step, due=step % args.save_freq == 0 or last, skipped=skipped_now, last=last)
 
     def close(self) -> None:
         self.rollout.close()
         self.logger.close()
         cleanup_distributed()
-        if self.run_lock is not None:
-            self.run_lock.release()
-            self.run_lock = None
+        self.lifeboat.release_lock()
 
 
 def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str, float] | None = None) -> Run:
@@ -418,9 +213,10 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     the model with its LoRA adapters `adapter_names` under FSDP2 (`build_model`); AdamW, the skip-checking step and
     the lr schedule (`build_optimizer_and_schedule`); the data, the sampler and the batch-size checks
     (`load_data`); the reward scorer; the checkpoint to resume (`resume_state`); the rollout workers of this node
-    (`start_rollout_workers`); then the `Run` with its SIGTERM/SIGINT/SIGHUP handling (`StopSignals`, with the
-    at-once write of the last finished step). Adapters are NOT yet synced to the workers: the trainer does that
-    with the adapter its algorithm samples from.
+    (`start_rollout_workers`); then the `Run` and its `Lifeboat` (training/lifeboat.py: the checkpoints, the run
+    lock, the divergence stop), armed with the SIGTERM/SIGINT/SIGHUP handling (`StopSignals`, with the at-once
+    write of the last finished step) and the orphan handler. Adapters are NOT yet synced to the workers: the
+    trainer does that with the adapter its algorithm samples from.
     `cfg_defaults`: the trainer's CFG scale per model family where it differs from the model's default
     (`flags.resolve_cfg_scale`); the resolved scale is `args.cfg_scale` (in the run's config) and `Run.cfg_scale`."""
     import rewards
@@ -445,26 +241,25 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     start_step, last_update_step = resume_state(args, plan, ckpt_config, model, optimizer, stepper, lr_scheduler,
                                                 sampler, adapter_names, rank)
     rollout = start_rollout_workers(args, model_path, device, group_timeout_s, start_step, rank)
+    lifeboat = Lifeboat(args, rank=rank, world=world, device=device, start_step=start_step, stepper=stepper,
+                        ckpt_root=os.path.join(args.output_dir, "checkpoints"), last_update_step=last_update_step,
+                        run_lock=run_lock if rank == 0 else None)
     run = Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
               adapter_names=tuple(adapter_names), lora_config=lora_config,
               num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
               val_data=val_data, sampler=sampler, mini_prompts=mini_prompts, scorer=scorer, rollout=rollout,
-              ckpt_root=os.path.join(args.output_dir, "checkpoints"),
               adapters_root=os.path.join(args.output_dir, "rollout_adapters"),
               start_step=start_step, progress=Progress(args.total_training_steps, start_step),
-              lr_scheduler=lr_scheduler, ckpt_config=ckpt_config, stop_signals=StopSignals(rank == 0),
-              last_update_step=last_update_step, _applied_seen=stepper.applied_steps,
-              _skipped_seen=stepper.skipped_steps, run_lock=run_lock if rank == 0 else None)
-    run.stop_signals.install(on_signal=run._on_signal)
-    on_orphaned[0] = run._on_orphaned
+              lifeboat=lifeboat, lr_scheduler=lr_scheduler, ckpt_config=ckpt_config)
+    lifeboat.arm(run.gather, run.close, on_orphaned)  # the stop signals and the orphan handler, from now on
     return run
 
 
 def guard_start_up() -> list[Any]:
     """A stop signal before the loop ends the rank with one line and exit 128 + signal (training.cli.run_cli);
     under torchrun, a rank whose agent died (kill -9) exits instead of training on unsupervised. Returns the
-    one-element list holding the orphan handler, which `setup_run` replaces with `Run._on_orphaned` once the Run
-    exists (it writes the last finished step first)."""
+    one-element list holding the orphan handler, which `setup_run` replaces with `Lifeboat.on_orphaned` once the
+    Run exists (it writes the last finished step first)."""
     stop_at_once_on_signals()
 
     def die(old: int, new: int) -> None:
