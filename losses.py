@@ -10,7 +10,9 @@ dtype-agnostic (float64 inputs give float64 math, which the tests use for exact 
 * scheduler timesteps are ``1000 * sigma`` in float32; rollout and replay must build them bit-identically.
 * log-probs are MEANS over all non-batch dimensions (a per-element log density), shape ``(B,)``.
 
-Metric dicts hold plain Python floats under the spec's names (the trainers prefix ``actor/``).
+The losses' metric dicts hold 0-dim detached tensors on the inputs' device under the spec's names (the trainers
+prefix ``actor/``): a loss reads nothing on the host, and a NaN/inf loss is returned as is (`training.GradStepper`
+checks finiteness once per optimizer step). Argument checks raise ValueError where they cost no host read.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ import numpy as np
 import torch
 
 __all__ = [
-    "LossMetrics",
-    "NonFiniteLossError",
     "SDEStep",
     "apply_cfg",
     "check_sde_sigmas",
@@ -52,9 +52,7 @@ DECAY_SCHEDULES = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Schedules
-# ---------------------------------------------------------------------------------------------------------
+# --- Schedules -----------------------------------------------------------------------------------------
 
 
 def time_shift_mu(
@@ -131,17 +129,13 @@ def sigmas_at_timesteps(timesteps: torch.Tensor, sigmas: torch.Tensor) -> tuple[
     found = matches.any(dim=1)
     if not bool(found.all().item()):
         missing = stored.reshape(-1)[~found][:4].tolist()
-        raise ValueError(
-            f"timesteps {missing} are not in the replay schedule {schedule_timesteps.tolist()}: rollout and "
-            "replay built different schedules (check num_inference_steps, size, mu and shift_terminal)"
-        )
+        raise ValueError(f"timesteps {missing} are not in the replay schedule {schedule_timesteps.tolist()}: rollout "
+                         "and replay built different schedules (check num_inference_steps, size, mu, shift_terminal)")
     index = matches.float().argmax(dim=1)
     return sigmas[index].reshape(timesteps.shape), sigmas[index + 1].reshape(timesteps.shape)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The SDE step (rollout and replay)
-# ---------------------------------------------------------------------------------------------------------
+# --- The SDE step (rollout and replay) -----------------------------------------------------------------
 
 
 class SDEStep(NamedTuple):
@@ -187,15 +181,11 @@ def check_sde_sigmas(sigma: torch.Tensor, sigma_next: torch.Tensor, *, sde_type:
     whole rollout's stored steps), and, for ``sde_type="sde"`` without ``sigma_max``, no ``sigma == 1``. One host
     sync (`sde_step` runs it on every call unless told the caller did)."""
     bad = (sigma <= 0) | (sigma > 1) | (sigma_next < 0) | (sigma_next >= sigma)
-    if sde_type == "sde" and sigma_max is None:
-        bad_sigma_max = (sigma == 1).any()
-        if bool((bad.any() | bad_sigma_max).item()):
-            if bool(bad_sigma_max.item()):
-                raise ValueError(
-                    "sigma == 1 needs sigma_max (the schedule's second sigma, sigmas[1]) for the sde noise scale"
-                )
-            raise ValueError("sigmas must satisfy 0 <= sigma_next < sigma <= 1 for every sample")
-    elif bool(bad.any().item()):
+    needs_sigma_max = (sigma == 1) & (sde_type == "sde" and sigma_max is None)
+    bad_any, needs_sigma_max_any = torch.stack([bad.any(), needs_sigma_max.any()]).tolist()
+    if needs_sigma_max_any:
+        raise ValueError("sigma == 1 needs sigma_max (the schedule's second sigma, sigmas[1]) for the sde noise scale")
+    if bad_any:
         raise ValueError("sigmas must satisfy 0 <= sigma_next < sigma <= 1 for every sample")
 
 
@@ -241,9 +231,8 @@ def sde_step(
     if not (math.isfinite(noise_level) and noise_level >= 0):
         raise ValueError(f"noise_level must be a finite number >= 0, got {noise_level}")
     if sample.shape != model_output.shape:
-        raise ValueError(
-            f"sample {tuple(sample.shape)} and model_output {tuple(model_output.shape)} must have the same shape"
-        )
+        raise ValueError(f"sample {tuple(sample.shape)} and model_output {tuple(model_output.shape)} must have the "
+                         "same shape")
     if sample.ndim < 2:
         raise ValueError(f"sample must be batched (B, ...), got shape {tuple(sample.shape)}")
     if prev_sample is not None and prev_sample.shape != sample.shape:
@@ -306,9 +295,7 @@ def sde_step(
     return SDEStep(prev_sample, log_prob.mean(dim=reduce_dims), prev_sample_mean, std_dev_t, sqrt_neg_dt)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Classifier-free guidance
-# ---------------------------------------------------------------------------------------------------------
+# --- Classifier-free guidance --------------------------------------------------------------------------
 
 
 def apply_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, *, renorm: bool = False) -> torch.Tensor:
@@ -332,9 +319,7 @@ def apply_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, *, renorm:
     return combined * (cond_norm / combined_norm)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Advantages
-# ---------------------------------------------------------------------------------------------------------
+# --- Advantages ----------------------------------------------------------------------------------------
 
 
 def group_advantages(
@@ -424,58 +409,13 @@ def reward_probability(advantages: torch.Tensor, *, adv_clip_max: float, adv_mod
     return torch.clamp((clipped / adv_clip_max) / 2.0 + 0.5, 0, 1)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Policy losses
-# ---------------------------------------------------------------------------------------------------------
+# --- Policy losses -------------------------------------------------------------------------------------
 
 
 def _require_same_shape(**tensors: torch.Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"shapes must match: {shapes}")
-
-
-class LossMetrics(dict):
-    """A loss's metrics, name -> value: Python floats (``sync=True``: read on the host, one sync each), or 0-dim
-    detached tensors on the loss's device (``sync=False``: nothing read). With ``sync=False`` the loss does not
-    check itself either: ``finite`` is the 0-dim bool tensor that ``sync=True`` raises `NonFiniteLossError` on
-    (`training.GradStepper` reads it once per optimizer step); None with ``sync=True``."""
-
-    finite: torch.Tensor | None = None
-
-
-def _metrics_out(values: dict[str, torch.Tensor], sync: bool, check: torch.Tensor, loss: torch.Tensor,
-                 **inputs: torch.Tensor | None) -> LossMetrics:
-    """The metrics of a loss from their 0-dim tensors `values`: read to floats and `check`ed (`sync`), or left on
-    the device with ``finite = isfinite(check).all()``."""
-    if not sync:
-        metrics = LossMetrics(values)
-        metrics.finite = torch.isfinite(check.detach()).all()
-        return metrics
-    metrics = LossMetrics({key: float(value.item()) for key, value in values.items()})
-    _raise_if_not_finite(check, loss, metrics, **inputs)
-    return metrics
-
-
-class NonFiniteLossError(ValueError):
-    """A loss came out NaN/inf (diverged weights, an overflow): a fact about the numbers, not a bad argument.
-
-    `loss` (still attached to the graph) and `metrics` (same keys as a finite call) let a trainer back-propagate it
-    anyway so every rank runs the same collectives, and skip the optimizer step (`training.GradStepper`)."""
-
-    def __init__(self, message: str, loss: torch.Tensor, metrics: dict[str, float]) -> None:
-        super().__init__(message)
-        self.loss, self.metrics = loss, metrics
-
-
-def _raise_if_not_finite(result: torch.Tensor, loss: torch.Tensor, metrics: dict[str, float],
-                         **inputs: torch.Tensor) -> None:
-    """One sync on the happy path; on a non-finite result, raise NonFiniteLossError naming the inputs that caused it."""
-    if bool(torch.isfinite(result).all().item()):
-        return
-    culprits = [name for name, t in inputs.items() if t is not None and not bool(torch.isfinite(t).all().item())]
-    where = f"non-finite input(s): {', '.join(culprits)}" if culprits else "overflow inside the loss"
-    raise NonFiniteLossError(f"loss is not finite ({where}); refusing to back-propagate NaN/inf", loss, metrics)
 
 
 def _std(x: torch.Tensor, unbiased: bool) -> torch.Tensor:
@@ -489,16 +429,14 @@ def flow_grpo_loss(
     *,
     clip_ratio: float,
     adv_clip_max: float = 5.0,
-    sync: bool = True,
-) -> tuple[torch.Tensor, LossMetrics]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Flow-GRPO clipped surrogate, mean over the given (sample, step) elements.
 
     ``rho = exp(logp - logp_old)``, ``A^ = clamp(A, -C, C)`` (C = ``adv_clip_max``),
     ``loss = mean[ max(-A^ rho, -A^ clamp(rho, 1 - eps, 1 + eps)) ]`` with eps = ``clip_ratio``.
     The gradient is zero where the clipped branch is active (A^ > 0, rho > 1 + eps or A^ < 0, rho < 1 - eps).
     Metrics: ``pg_loss``, ``ppo_kl = mean(logp_old - logp)``, ``pg_clipfrac = mean(|rho - 1| > eps)``,
-    ``pg_clipfrac_higher``, ``pg_clipfrac_lower``, ``ratio_mean``, ``ratio_std`` (unbiased); floats, or with
-    ``sync=False`` device tensors (`LossMetrics`).
+    ``pg_clipfrac_higher``, ``pg_clipfrac_lower``, ``ratio_mean``, ``ratio_std`` (unbiased).
     """
     if not (math.isfinite(clip_ratio) and clip_ratio > 0):
         raise ValueError(f"clip_ratio must be > 0, got {clip_ratio}")
@@ -513,7 +451,7 @@ def flow_grpo_loss(
     loss = torch.mean(torch.maximum(unclipped, clipped))
     with torch.no_grad():
         ratio_d = ratio.detach()
-        values = {
+        metrics = {
             "pg_loss": loss.detach(),
             "ppo_kl": torch.mean(-log_ratio.detach()),
             "pg_clipfrac": ((ratio_d - 1.0).abs() > clip_ratio).float().mean(),
@@ -522,8 +460,7 @@ def flow_grpo_loss(
             "ratio_mean": ratio_d.mean(),
             "ratio_std": _std(ratio_d, unbiased=True),
         }
-    return loss, _metrics_out(values, sync, loss, loss, log_prob=log_prob, old_log_prob=old_log_prob,
-                              advantages=advantages)
+    return loss, metrics
 
 
 def flow_dppo_loss(
@@ -537,8 +474,7 @@ def flow_dppo_loss(
     *,
     kl_mask_threshold: float = 1e-5,
     add_kl_coefficient: bool = True,
-    sync: bool = True,
-) -> tuple[torch.Tensor, LossMetrics]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Flow-DPPO: unclipped surrogate with a divergence trust-region mask, per sample of one stored step.
 
     Shapes: log-probs and advantages ``(B,)``, means ``(B, *D)``, ``std_dev_t`` ``(B,)`` or ``(B, 1, ..., 1)``,
@@ -554,23 +490,16 @@ def flow_dppo_loss(
       gradient, even if their ratio overflowed).
     Metrics: ``pg_loss``, ``ppo_kl``, ``approx_kl = mean(log_ratio^2 / 2)``, ``ratio_{mean,std (population),min,max}``,
     ``kl_new_old_{mean,max}``, ``kl_mask_fraction``, ``pos_rm_fraction``, ``neg_rm_fraction``,
-    ``masked_fraction``, ``unmasked_fraction``; floats, or with ``sync=False`` device tensors (`LossMetrics`).
+    ``masked_fraction``, ``unmasked_fraction``.
     """
     if not (math.isfinite(kl_mask_threshold) and kl_mask_threshold > 0):
         raise ValueError(f"kl_mask_threshold must be > 0, got {kl_mask_threshold}")
     _require_same_shape(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     _require_same_shape(prev_sample_mean=prev_sample_mean, old_prev_sample_mean=old_prev_sample_mean)
-    if log_prob.ndim != 1 or prev_sample_mean.shape[0] != log_prob.shape[0]:
-        raise ValueError(
-            f"log_prob must be (B,) and prev_sample_mean (B, ...); got {tuple(log_prob.shape)} and "
-            f"{tuple(prev_sample_mean.shape)}"
-        )
     batch = log_prob.shape[0]
-    if std_dev_t.numel() != batch or sqrt_neg_dt.numel() != batch:
-        raise ValueError(
-            f"std_dev_t ({tuple(std_dev_t.shape)}) and sqrt_neg_dt ({tuple(sqrt_neg_dt.shape)}) must hold one "
-            f"value per sample (B={batch})"
-        )
+    if log_prob.ndim != 1 or not prev_sample_mean.shape[0] == std_dev_t.numel() == sqrt_neg_dt.numel() == batch:
+        raise ValueError(f"need log_prob (B,), prev_sample_mean (B, ...), one std_dev_t, sqrt_neg_dt per sample, got "
+                         f"{[tuple(x.shape) for x in (log_prob, prev_sample_mean, std_dev_t, sqrt_neg_dt)]}")
     advantages = advantages.detach()
     log_ratio = log_prob - old_log_prob.detach()
     with torch.no_grad():
@@ -593,7 +522,7 @@ def flow_dppo_loss(
     loss = torch.mean(per_sample)
     with torch.no_grad():
         log_ratio_d = log_ratio.detach()
-        values = {
+        metrics = {
             "pg_loss": loss.detach(),
             "ppo_kl": torch.mean(-log_ratio_d),
             "approx_kl": (0.5 * log_ratio_d.pow(2)).mean(),
@@ -609,12 +538,7 @@ def flow_dppo_loss(
             "masked_fraction": masked.float().mean(),
             "unmasked_fraction": keep.float().mean(),
         }
-    return loss, _metrics_out(
-        values, sync, torch.stack([loss.detach(), kl.sum()]), loss,
-        log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
-        prev_sample_mean=prev_sample_mean, old_prev_sample_mean=old_prev_sample_mean,
-        std_dev_t=std_dev_t, sqrt_neg_dt=sqrt_neg_dt,
-    )
+    return loss, metrics
 
 
 def diffusion_nft_loss(
@@ -630,8 +554,7 @@ def diffusion_nft_loss(
     ref_prediction: torch.Tensor | None = None,
     ref_kl_coef: float = 0.0,
     adaptive_weight_min: float = 1e-5,
-    sync: bool = True,
-) -> tuple[torch.Tensor, LossMetrics]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT's forward-process objective (verl-omni ``DiffusionNFTLoss``, = the official inline loss).
 
     Predictions are velocities in the diffusers convention (``v = eps - x0``; negate Boogu outputs first), all
@@ -648,8 +571,8 @@ def diffusion_nft_loss(
     ``L+ = L- = mean_d[(x0^ - x0)^2] / max(w_min, mean_d|x0^ - x0|)`` and ``policy_loss = mean_i C L_i / beta``.
     Metrics: ``policy_loss``, ``positive_loss = mean_i L+_i``, ``negative_loss = mean_i L-_i`` (before r, /beta,
     ×C), ``ref_kl_loss`` (0 without a reference), ``old_deviate = mean (v_theta - v_old)^2``,
-    ``reward_prob_mean``, ``total_loss``; floats, or with ``sync=False`` device tensors (`LossMetrics`), and then
-    ``reward_prob`` is not checked to lie in [0, 1] (a host sync; `reward_probability`'s output always does).
+    ``reward_prob_mean``, ``total_loss``. ``reward_prob`` must lie in [0, 1] (`reward_probability`'s output does;
+    not checked here, that would be a host read per call).
     """
     if not (math.isfinite(mix_beta) and mix_beta > 0):
         raise ValueError(f"mix_beta must be > 0, got {mix_beta}")
@@ -683,15 +606,10 @@ def diffusion_nft_loss(
     negative_prediction = (1.0 + mix_beta) * old_prediction - mix_beta * forward_prediction
     positive_x0 = xt - t * positive_prediction
     negative_x0 = xt - t * negative_prediction
-    with torch.no_grad():
-        positive_weight = (
-            (positive_x0.double() - x0.double()).abs().mean(dim=reduce_dims, keepdim=True)
-            .clip(min=adaptive_weight_min).to(positive_x0.dtype)
-        )
-        negative_weight = (
-            (negative_x0.double() - x0.double()).abs().mean(dim=reduce_dims, keepdim=True)
-            .clip(min=adaptive_weight_min).to(negative_x0.dtype)
-        )
+    with torch.no_grad():  # w±, (B, 1, ..., 1) each
+        positive_weight, negative_weight = (
+            (x0_hat.double() - x0.double()).abs().mean(dim=reduce_dims, keepdim=True)
+            .clip(min=adaptive_weight_min).to(x0_hat.dtype) for x0_hat in (positive_x0, negative_x0))
     positive_loss = ((positive_x0 - x0) ** 2 / positive_weight).mean(dim=reduce_dims)
     negative_loss = ((negative_x0 - x0) ** 2 / negative_weight).mean(dim=reduce_dims)
     per_sample = reward_weight * positive_loss / mix_beta + (1.0 - reward_weight) * negative_loss / mix_beta
@@ -702,10 +620,8 @@ def diffusion_nft_loss(
     else:
         ref_kl_loss = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
         loss = policy_loss
-    if sync and not bool(((reward_weight >= 0).all() & (reward_weight <= 1).all()).item()):
-        raise ValueError("reward_prob must lie in [0, 1] (use reward_probability on the advantages)")
     with torch.no_grad():
-        values = {
+        metrics = {
             "policy_loss": policy_loss.detach(),
             "positive_loss": positive_loss.detach().mean(),
             "negative_loss": negative_loss.detach().mean(),
@@ -714,10 +630,7 @@ def diffusion_nft_loss(
             "reward_prob_mean": reward_weight.mean(),
             "total_loss": loss.detach(),
         }
-    return loss, _metrics_out(
-        values, sync, loss, loss, forward_prediction=forward_prediction, old_prediction=old_prediction, x0=x0,
-        xt=xt, t=t, reward_prob=reward_prob, ref_prediction=ref_prediction,
-    )
+    return loss, metrics
 
 
 def select_train_timesteps(
@@ -742,9 +655,7 @@ def select_train_timesteps(
     return torch.stack(rows).long()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The DiffusionNFT old policy
-# ---------------------------------------------------------------------------------------------------------
+# --- The DiffusionNFT old policy -----------------------------------------------------------------------
 
 
 def old_policy_decay(step: int, schedule: str) -> float:
@@ -781,11 +692,8 @@ def ema_update_(
     for i, (old, new) in enumerate(zip(old_params, new_params)):
         if old.shape != new.shape:
             raise ValueError(f"parameter {i}: old {tuple(old.shape)} vs new {tuple(new.shape)}")
-    if not old_params:
-        return
-    if decay == 0.0:
-        for old, new in zip(old_params, new_params):
-            old.copy_(new)
-        return
     for old, new in zip(old_params, new_params):
-        old.mul_(decay).add_(new.to(old.dtype), alpha=1.0 - decay)
+        if decay == 0.0:
+            old.copy_(new)
+        else:
+            old.mul_(decay).add_(new.to(old.dtype), alpha=1.0 - decay)

@@ -84,7 +84,7 @@ class StoredWindow:
     cond: Any
 
 
-def replay(model, window: StoredWindow, mb: torch.Tensor, scale: float, args) -> Iterator[tuple[int, Any]]:
+def replay(model, window: StoredWindow, mb: torch.Tensor, scale: float, args) -> Iterator[tuple[int, losses.SDEStep]]:
     """Replay the samples `mb` ((b,) row indices) through their stored window: for each stored step j, yield
     (j, `losses.sde_step` output), the log-prob and mean of the stored transition latents[:, j] -> latents[:, j+1]
     under the model's current weights, with the rollout's conditioning, CFG `scale` and SDE."""
@@ -143,6 +143,7 @@ def main(argv=None) -> None:
         #    replays all), or the rollout's own (--old_log_probs rollout)
         rollout_log_probs = result.all_log_probs.to(device)
         samples_per_mini = (run.mini_prompts // world) * args.rollout_n
+        micro_steps_per_update = samples_per_mini // args.micro_batch_size * num_w  # micro-batches x W
         first_from_update = args.old_log_probs == "recompute" and args.old_from_update == "on"
         if args.old_log_probs == "recompute":
             old_log_probs = torch.empty(n_local, num_w, device=device)
@@ -169,27 +170,26 @@ def main(argv=None) -> None:
         # 4. update the policy
         accumulator = T.MetricAccumulator()
         with T.timer("update_actor", timings):
-            for i, micro_batches in enumerate(T.mini_batches(n_local, samples_per_mini, args.micro_batch_size,
-                                                             epochs=args.ppo_epochs, device=device)):
-                for mb in micro_batches:  # (b,) sample indices
-                    for j, out in replay(model, window, mb, scale, args):
-                        if i == 0 and first_from_update:  # the weights that sampled: this forward is the old one
-                            old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
-                        elif i == 0 and first_pass is not None:  # the first mini-batch: weights = the rollout's
-                            first_pass[mb, j] = out.log_prob.detach()
-                        if args.loss == "flow_dppo":
-                            loss, loss_metrics = run.stepper.checked_loss(losses.flow_dppo_loss,
-                                out.log_prob, old_log_probs[mb, j], advantages[mb], out.prev_sample_mean,
-                                old_means[mb, j], out.std_dev_t, out.sqrt_neg_dt,
-                                kl_mask_threshold=args.kl_mask_threshold, add_kl_coefficient=args.add_kl_coefficient,
-                                sync=args.loss_metrics == "host")
-                        else:
-                            loss, loss_metrics = run.stepper.checked_loss(losses.flow_grpo_loss,
-                                out.log_prob, old_log_probs[mb, j], advantages[mb], clip_ratio=args.clip_ratio,
-                                adv_clip_max=args.adv_clip_max, sync=args.loss_metrics == "host")
-                        (loss / (len(micro_batches) * num_w)).backward()
-                        accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
-                accumulator.add(run.stepper.step(run.optimizer))
+            steps = T.micro_steps(n_local, samples_per_mini, args.micro_batch_size, num_w, epochs=args.ppo_epochs,
+                                  device=device, forwards=lambda i, mb: replay(model, window, mb, scale, args))
+            for i, mb, j, out, last in steps:
+                if i == 0 and first_from_update:  # the weights that sampled: this forward is the old one
+                    old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
+                elif i == 0 and first_pass is not None:  # the first mini-batch: weights = the rollout's
+                    first_pass[mb, j] = out.log_prob.detach()
+                if args.loss == "flow_dppo":
+                    loss, loss_metrics = losses.flow_dppo_loss(
+                        out.log_prob, old_log_probs[mb, j], advantages[mb], out.prev_sample_mean, old_means[mb, j],
+                        out.std_dev_t, out.sqrt_neg_dt, kl_mask_threshold=args.kl_mask_threshold,
+                        add_kl_coefficient=args.add_kl_coefficient)
+                else:
+                    loss, loss_metrics = losses.flow_grpo_loss(
+                        out.log_prob, old_log_probs[mb, j], advantages[mb], clip_ratio=args.clip_ratio,
+                        adv_clip_max=args.adv_clip_max)
+                run.stepper.backward(loss / micro_steps_per_update)
+                accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
+                if last:
+                    accumulator.add(run.stepper.step(run.optimizer))
 
         # rollout/trainer log-prob gap: of the recompute, or (bypass) of the first mini-batch's pass
         if first_pass is None:

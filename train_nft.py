@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -91,6 +92,35 @@ def old_and_reference(model, forward, with_old: bool, with_reference: bool):
     return v_old, v_ref
 
 
+class TrainingForward(NamedTuple):
+    """The inputs of `losses.diffusion_nft_loss` at one training timestep of a micro-batch of b samples."""
+
+    x0: torch.Tensor  # (b, *D) the clean latents
+    xt: torch.Tensor  # (b, *D) x_t = (1 - t) x0 + t ε, fresh ε
+    t: torch.Tensor  # (b,)
+    v: torch.Tensor  # (b, *D) the policy's velocity at (x_t, t), with grad
+    v_old: torch.Tensor  # (b, *D) the `old` adapter's (the policy's own, detached, when `old` equals it)
+    v_ref: torch.Tensor | None  # (b, *D) the base model's (adapters off), or None without ref_kl_coef
+
+
+def training_forwards(model, x0: torch.Tensor, cond: Any, timesteps: torch.Tensor, mb: torch.Tensor, scale: float,
+                      args, with_old: bool) -> Iterator[tuple[int, TrainingForward]]:
+    """The training forwards of the samples `mb` ((b,) row indices of x0 (B, *D) and of the rollout's conditioning
+    `cond`): for each k of their K training `timesteps` (B, K) (integer 1000·σ), noise x_t with fresh ε and yield
+    (k, the policy's velocity there with the no-grad targets: `old_and_reference`, the `old` forward left out without
+    `with_old`), each through the model wrapper at CFG `scale`."""
+    x0_mb, cond_mb = x0[mb], cond.index(mb)
+    for k in range(timesteps.shape[1]):
+        t = timesteps[mb, k].float() / 1000  # (b,)
+        t_b = t.reshape(-1, *([1] * (x0_mb.ndim - 1)))
+        xt = (1 - t_b) * x0_mb + t_b * torch.randn_like(x0_mb)  # (b, *D)
+        forward = lambda: model.guided_velocity(xt, t, cond_mb.prompt, cond_mb.negative, scale,  # noqa: E731
+                                                cond_mb.ref_latents, height=args.height, width=args.width)
+        v_old, v_ref = old_and_reference(model, forward, with_old, with_reference=args.ref_kl_coef > 0)
+        v = forward()
+        yield k, TrainingForward(x0_mb, xt, t, v, v.detach() if v_old is None else v_old, v_ref)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     # ---------------------------------------------------------------- setup (training.setup_run)
@@ -139,35 +169,26 @@ def main(argv=None) -> None:
         num_k = train_timesteps.shape[1]
         accumulator = T.MetricAccumulator()
         samples_per_mini = (run.mini_prompts // world) * args.rollout_n
+        micro_steps_per_update = samples_per_mini // args.micro_batch_size * num_k  # micro-batches x K
         with T.timer("update_actor", timings):
             # `old` equal to the policy (a hard-copy refresh since the last update): until the first optimizer step
             # the policy's own forward is the old one (--old_from_update). Compiled blocks still run it in the
             # process's first step, so that its graph compiles there with the others, not in a later step
             old_is_policy = (args.old_from_update == "on" and (args.compile != "blocks" or step > run.start_step + 1)
                              and T.adapters_equal(model.transformer))
-            for i, micro_batches in enumerate(T.mini_batches(n_local, samples_per_mini, args.micro_batch_size,
-                                                             epochs=args.ppo_epochs, device=device)):
-                for mb in micro_batches:  # (b,) sample indices
-                    x0_mb, cond_mb = x0[mb], cond.index(mb)
-                    for k in range(num_k):
-                        t = train_timesteps[mb, k].float() / 1000
-                        t_b = t.reshape(-1, *([1] * (x0_mb.ndim - 1)))
-                        xt = (1 - t_b) * x0_mb + t_b * torch.randn_like(x0_mb)
-                        forward = lambda: model.guided_velocity(  # noqa: E731
-                            xt, t, cond_mb.prompt, cond_mb.negative, train_scale, cond_mb.ref_latents,
-                            height=args.height, width=args.width)
-                        v_old, v_ref = old_and_reference(model, forward, with_old=not (i == 0 and old_is_policy),
-                                                         with_reference=args.ref_kl_coef > 0)
-                        v = forward()
-                        if v_old is None:
-                            v_old = v.detach()
-                        loss, loss_metrics = run.stepper.checked_loss(losses.diffusion_nft_loss,
-                            v, v_old, x0_mb, xt, t, reward_prob[mb], mix_beta=args.mix_beta,
-                            adv_clip_max=args.adv_clip_max, ref_prediction=v_ref, ref_kl_coef=args.ref_kl_coef,
-                            adaptive_weight_min=args.adaptive_weight_min, sync=args.loss_metrics == "host")
-                        (loss / (len(micro_batches) * num_k)).backward()
-                        accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
-                accumulator.add(run.stepper.step(run.optimizer))
+            steps = T.micro_steps(
+                n_local, samples_per_mini, args.micro_batch_size, num_k, epochs=args.ppo_epochs, device=device,
+                forwards=lambda i, mb: training_forwards(model, x0, cond, train_timesteps, mb, train_scale, args,
+                                                         with_old=not (i == 0 and old_is_policy)))
+            for i, mb, k, fwd, last in steps:
+                loss, loss_metrics = losses.diffusion_nft_loss(
+                    fwd.v, fwd.v_old, fwd.x0, fwd.xt, fwd.t, reward_prob[mb], mix_beta=args.mix_beta,
+                    adv_clip_max=args.adv_clip_max, ref_prediction=fwd.v_ref, ref_kl_coef=args.ref_kl_coef,
+                    adaptive_weight_min=args.adaptive_weight_min)
+                run.stepper.backward(loss / micro_steps_per_update)
+                accumulator.add({f"actor/{key}": value for key, value in loss_metrics.items()})
+                if last:
+                    accumulator.add(run.stepper.step(run.optimizer))
 
         # 4. refresh the `old` adapter and sync it to the rollout workers
         old_metrics = T.old_policy_refresh(model.transformer, step, interval=args.old_policy_update_interval,

@@ -103,9 +103,9 @@ def test_profile_traces_and_tables(smoke):
         update = trainer["update_actor"]
         assert 0 < update["busy_ms"] <= update["wall_ms"] and update["idle_ms"] >= 0
         assert run["timing_includes_profiler"] is True  # 2 steps: the measured one is the profiled one
-        # --loss_metrics device: no loss metric is read per call. What remains on CPU are AdamW's per-parameter
-        # step reads (the fused CUDA AdamW has none) and the optimizer step's own checks: fewer than the
-        # 2 x 15 reads of the two DPPO loss calls of --loss_metrics host
+        # the losses read nothing on the host (metrics stay on the device, finiteness is read once per optimizer
+        # step). What remains on CPU are AdamW's per-parameter step reads (the fused CUDA AdamW has none) and the
+        # optimizer step's own checks: fewer than the 2 x 15 reads the two DPPO loss calls made when each read its own
         assert update["host_reads"] < 2 * 15 + 42, update
     assert "top CPU op (self time)s in update_actor" in stdout
 

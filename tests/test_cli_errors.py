@@ -47,7 +47,7 @@ def test_misspelt_flag_is_one_line_with_a_suggestion(monkeypatch, capsys):
 def test_the_other_trainers_flag_is_named_as_such_and_never_abbreviated(monkeypatch, capsys, trainer, flag, value,
                                                                         owner):
     """--mix_beta given to train_dppo.py suggested --adam_betas; --loss given to train_nft.py was taken as an
-    abbreviation of --loss_metrics. Now each names the trainer that takes it."""
+    abbreviation of a longer flag. Now each names the trainer that takes it."""
     import train_nft
 
     monkeypatch.setattr(sys, "argv", [trainer])

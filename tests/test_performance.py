@@ -597,7 +597,7 @@ def test_nft_training_cfg_flag_and_qwen_default():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# loss metrics kept on the device (--loss_metrics device): no host sync per loss call, the same numbers
+# loss metrics kept on the device: no host sync per loss call, the non-finite check read once per optimizer step
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -642,72 +642,81 @@ def test_each_trainer_hands_its_cfg_defaults_to_setup_run(monkeypatch, script):
     assert seen.get("cfg_defaults") == ({"qwen_image": 1.0} if script == "train_nft" else None)
 
 
-def test_device_loss_metrics_equal_the_host_reads_bit_for_bit():
-    """sync=False returns the same loss and, per metric, the 0-dim tensor whose value sync=True reads; summed over
-    calls by MetricAccumulator (float64 either way) the logged means are bit-identical."""
+def test_loss_metrics_are_detached_device_tensors_that_log_as_their_values():
+    """Each loss returns its metrics as 0-dim detached tensors on the inputs' device; summed over calls by
+    MetricAccumulator (float64) the logged means equal those of the same values read to floats, bit for bit."""
     for name, fn, args, kwargs in _loss_calls():
-        host_acc, device_acc = T.MetricAccumulator(), T.MetricAccumulator()
+        tensor_acc, float_acc = T.MetricAccumulator(), T.MetricAccumulator()
         for scale in (1.0, 0.5, 2.0):  # three calls, as over micro-batches x timesteps
             scaled = [a * scale if a.dtype.is_floating_point and a.ndim == 3 else a for a in args]
-            loss_h, host = fn(*scaled, **kwargs)
-            loss_d, device = fn(*scaled, **kwargs, sync=False)
-            assert torch.equal(loss_h, loss_d), name
-            assert host.finite is None and device.finite.dtype == torch.bool and bool(device.finite), name
-            assert list(host) == list(device) and all(isinstance(x, float) for x in host.values()), name
+            loss, metrics = fn(*scaled, **kwargs)
+            assert loss.ndim == 0 and loss.requires_grad, name
             assert all(isinstance(x, torch.Tensor) and x.ndim == 0 and not x.requires_grad
-                       for x in device.values()), name
-            assert {k: float(x) for k, x in device.items()} == dict(host), name
-            host_acc.add(host)
-            device_acc.add(device)
-        assert host_acc.reduce() == device_acc.reduce(), name
+                       and x.device == args[0].device for x in metrics.values()), name
+            tensor_acc.add(metrics)
+            float_acc.add({k: float(x) for k, x in metrics.items()})
+        assert tensor_acc.reduce() == float_acc.reduce(), name
 
 
-def test_device_loss_metrics_read_nothing_on_the_host(monkeypatch):
-    """With sync=False no loss reads a tensor on the host (`.item()`, bool(), float(), .tolist() all raise here);
-    with sync=True the same guard trips, so it would catch a read."""
-    calls = _loss_calls()
+def test_losses_and_the_backward_read_nothing_on_the_host(monkeypatch):
+    """No loss and no `GradStepper.backward` reads a tensor on the host (`.item()`, bool(), float(), .tolist() all
+    raise here; the last line shows the guard trips on a read); `step` reads its checks at once: one read for a
+    skipped step."""
+    calls = _loss_calls(nan=True)
+    reads = []
 
     def forbidden(self, *a, **k):
+        reads.append(1)
         raise AssertionError("host read of a tensor")
 
     for method in ("item", "__bool__", "__float__", "tolist"):
         monkeypatch.setattr(torch.Tensor, method, forbidden)
+    stepper = GradStepper()
     for name, fn, args, kwargs in calls:
-        fn(*args, **kwargs, sync=False)
-        with pytest.raises(AssertionError, match="host read"):
-            fn(*args, **kwargs)
+        loss, _ = fn(*args, **kwargs)
+        stepper.backward(loss)
+    assert not reads
+    with pytest.raises(AssertionError, match="host read"):
+        float(loss)
+    monkeypatch.undo()
+    counted = []
+    for method in ("item", "__bool__", "__float__", "tolist"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _f=original, _m=method, **k: (
+            counted.append(_m), _f(self, *a, **k))[1])
+    leaves = {id(a): a for _, _, args, _ in calls for a in args if a.requires_grad}
+    m = stepper.step(torch.optim.AdamW(list(leaves.values())))
+    assert m["actor/step_skipped"] == 1.0 and stepper.last_skip_reason == "non-finite loss" and counted == ["tolist"]
 
 
-def test_a_nonfinite_device_loss_skips_the_step_as_the_host_check_does():
-    """sync=False: the NaN loss is not raised but flagged; GradStepper.step reads the flag once and skips the step
-    (sync=True names the inputs; the outcome, the skipped step and unchanged weights, is the same)."""
+def test_a_nonfinite_loss_skips_the_step_once_read_by_the_stepper():
+    """A NaN input makes each loss NaN, which is returned (not raised); `GradStepper.backward` flags it and `step`
+    skips the step ("non-finite loss", the weight unchanged). The flag is cleared by the step: a finite loss after
+    it is applied."""
     for name, fn, args, kwargs in _loss_calls(nan=True):
-        reasons = []
-        for sync in (True, False):
-            weight = torch.nn.Parameter(torch.ones(()))
-            opt = torch.optim.AdamW([weight], lr=0.1)
-            stepper = GradStepper()
-            loss, metrics = stepper.checked_loss(fn, *args, **kwargs, sync=sync)
-            (loss * weight).backward()
-            m = stepper.step(opt)
-            assert m["actor/step_skipped"] == 1.0 and weight.item() == 1.0, (name, sync)
-            reasons.append(stepper.last_skip_reason)
-            # the flag is cleared by the step: a finite loss afterwards is applied
-            ok_args = [torch.nan_to_num(a.detach()).requires_grad_(a.requires_grad) for a in args]
-            loss, _ = stepper.checked_loss(fn, *ok_args, **kwargs, sync=sync)
-            (loss * weight).backward()
-            assert stepper.step(opt)["actor/step_skipped"] == 0.0, (name, sync)
-        assert "non-finite input" in reasons[0] and "found at the optimizer step" in reasons[1], reasons
+        weight = torch.nn.Parameter(torch.ones(()))
+        opt = torch.optim.AdamW([weight], lr=0.1)
+        stepper = GradStepper()
+        loss, _ = fn(*args, **kwargs)
+        assert not torch.isfinite(loss), name
+        stepper.backward(loss * weight)
+        m = stepper.step(opt)
+        assert m["actor/step_skipped"] == 1.0 and weight.item() == 1.0, name
+        assert stepper.last_skip_reason == "non-finite loss", name
+        ok_args = [torch.nan_to_num(a.detach()).requires_grad_(a.requires_grad) for a in args]
+        loss, _ = fn(*ok_args, **kwargs)
+        stepper.backward(loss * weight)
+        assert stepper.step(opt)["actor/step_skipped"] == 0.0 and weight.item() != 1.0, name
 
 
 @pytest.mark.slow  # two whole trainer runs under torchrun
 @pytest.mark.parametrize("script", ["train_nft.py", "train_dppo.py"])
 def test_trainers_log_the_same_metrics_on_the_old_and_the_fast_update_paths(tiny_models, tmp_path, script):
     """A tiny CPU run (one rank, 2 steps, two micro-batches; DPPO: two mini-batches and two epochs so the ratio
-    leaves 1; NFT: `old` equal to the policy in step 1 only, an EMA of it in step 2) on the old path (--loss_metrics
-    host: a host read per loss call; --old_from_update off: a separate old forward / old log-prob pass for every
-    sample) and on the defaults (metrics kept on the device; the first mini-batch's old outputs from its own update
-    forward): every logged actor/*, critic/* and rollout_corr/* value is bit-identical."""
+    leaves 1; NFT: `old` equal to the policy in step 1 only, an EMA of it in step 2) on the old path
+    (--old_from_update off: a separate old forward / old log-prob pass for every sample) and on the default (the
+    first mini-batch's old outputs from its own update forward): every logged actor/*, critic/* and rollout_corr/*
+    value is bit-identical."""
     from data_prep.make_demo_data import make_demo_data
     from trainer_runs import run_trainer, scalars
 
@@ -724,19 +733,18 @@ def test_trainers_log_the_same_metrics_on_the_old_and_the_fast_update_paths(tiny
                else ["--ppo_epochs", "2", "--ppo_mini_batch_size", "1", "--sde_window_size", "2",
                      "--sde_window_range", "0,3"])
     logged, timed = {}, {}
-    for mode, old_from_update in (("host", "off"), ("device", "on")):
+    for mode in ("off", "on"):
         out = tmp_path / mode
-        run_trainer(script, common + ["--loss_metrics", mode, "--old_from_update", old_from_update,
-                                      "--output_dir", out], nproc=1)
+        run_trainer(script, common + ["--old_from_update", mode, "--output_dir", out], nproc=1)
         m = scalars(out)
         logged[mode] = {k: v for k, v in m.items() if k.startswith(("actor/", "critic/", "rollout_corr/"))}
         timed[mode] = m.get("perf/tflop/old_log_prob" if script == "train_dppo.py" else "perf/tflop/update_actor")
-    assert "actor/grad_norm" in logged["device"] and len(logged["device"]) > 8
-    assert logged["host"] == logged["device"]
+    assert "actor/grad_norm" in logged["on"] and len(logged["on"]) > 8
+    assert logged["off"] == logged["on"]
     # the forwards left out are not counted: DPPO replays 1 of its 2 mini-batches; NFT skips the old forward in
     # step 1 (a third of its 1 + 3 + 1 forwards per sample pass, `old` = the policy) and runs it in step 2
-    (_, old_all), (_, old_fast) = timed["host"][0], timed["device"][0]
+    (_, old_all), (_, old_fast) = timed["off"][0], timed["on"][0]
     if script == "train_dppo.py":
         assert old_fast == pytest.approx(old_all / 2)
     else:
-        assert old_fast == pytest.approx(old_all * 4 / 5) and timed["device"][1][1] == timed["host"][1][1]
+        assert old_fast == pytest.approx(old_all * 4 / 5) and timed["on"][1][1] == timed["off"][1][1]

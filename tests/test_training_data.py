@@ -1,5 +1,5 @@
 """training/data.py: `PromptSampler` (deterministic, epoch-shuffled, sharded per rank, resumable) and the update's
-`mini_batches` / `micro_batches`."""
+`mini_batches` / `micro_batches` and `micro_steps`, the update loop's iterator over them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
-from training.data import PromptSampler  # noqa: E402
+from training.data import PromptSampler, mini_batches  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -48,13 +48,40 @@ def test_sampler_deterministic_epochs_and_shards():
 
 def test_mini_and_micro_batches_cover_each_epoch_in_order():
     as_lists = lambda batches: [[mb.tolist() for mb in mini] for mini in batches]  # noqa: E731
-    assert as_lists(T.mini_batches(8, 4, 2, epochs=2)) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] * 2
+    assert as_lists(mini_batches(8, 4, 2, epochs=2)) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]] * 2
     assert [mb.tolist() for mb in T.micro_batches(2, 8, 3)] == [[2, 3, 4], [5, 6, 7]]
     with pytest.raises(ValueError, match="micro-batches of 4 do not tile the 6 samples"):
-        list(T.mini_batches(6, 6, 4))  # a short last micro-batch would weigh its samples more
+        list(mini_batches(6, 6, 4))  # a short last micro-batch would weigh its samples more
     with pytest.raises(ValueError, match="mini-batches of 4 do not tile the 5 samples"):
-        list(T.mini_batches(5, 4, 1))
+        list(mini_batches(5, 4, 1))
     assert T.micro_batches(0, 4, 4)[0].dtype == torch.long
+
+
+def test_micro_steps_walk_the_schedule_lazily_and_mark_each_optimizer_step():
+    """(i, mb, k, out, last) per micro-step in the nested loops' order; `last` on the last inner step of each
+    mini-batch's last micro-batch; the trainer's forwards of step k + 1 run only after step k was handed out (so
+    after its backward); a generator with the wrong number of steps is an error."""
+    events = []
+
+    def forwards(i, mb):
+        for k in range(3):
+            events.append(("forward", i, mb.tolist(), k))
+            yield k, f"out{i}{k}"
+
+    seen = []
+    for i, mb, k, out, last in T.micro_steps(8, 4, 2, 3, forwards, epochs=2):
+        events.append(("backward", i, mb.tolist(), k))
+        seen.append((i, mb.tolist(), k, out, last))
+    micro = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [(i, mb, k) for i, mb, k, _, _ in seen] == [
+        (i, micro[2 * (i % 2) + m], k) for i in range(4) for m in range(2) for k in range(3)]
+    assert [last for *_, last in seen] == [m == 1 and k == 2 for i in range(4) for m in range(2) for k in range(3)]
+    assert seen[4][3] == "out01"
+    assert events[:4] == [("forward", 0, [0, 1], 0), ("backward", 0, [0, 1], 0), ("forward", 0, [0, 1], 1),
+                          ("backward", 0, [0, 1], 1)]
+    assert [e[0] for e in events] == ["forward", "backward"] * 24
+    with pytest.raises(ValueError, match="ended at step 1, not at 2"):
+        list(T.micro_steps(2, 2, 2, 3, lambda i, mb: enumerate("ab")))
 
 
 

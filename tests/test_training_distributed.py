@@ -81,6 +81,7 @@ def test_fsdp2_lora_two_ranks(tmp_path):
         assert r["refresh"]["old_policy/copy_update"] == 1.0
         # one rank's non-finite loss, then one rank's non-finite update: both ranks skip both, weights unchanged
         assert r["skipped"] == [1.0, 1.0] and r["skips_left_params"] and "undone" in r["skip_reason"]
+    assert (r0["loss_skip_reason"], r1["loss_skip_reason"]) == ("non-finite loss on another rank", "non-finite loss")
     # both ranks agree on every reduced metric, the global batches and the gathered adapter weights
     assert r0["steps"] == r1["steps"] and r0["batches"] == r1["batches"] and r0["default_sum"] == r1["default_sum"]
     assert r0["gathered"] == r1["gathered"] == [0.0, 0.0, 1.0, 1.0]  # all_gather_cat, rank order

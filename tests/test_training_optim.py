@@ -164,22 +164,28 @@ def test_nonfinite_loss_gradient_or_update_skips_the_step_and_undoes_it():
                 and all(torch.equal(state[n][k], before[1][n][k]) for n in state for k in state[n]))
 
     before = snapshot()
-    # 1. a non-finite loss: returned with its metrics, back-propagated, the step skipped
+    # 1. a non-finite loss: returned as is with its metrics, back-propagated, the step skipped
     v = model(x)
     finite_keys = set(losses.diffusion_nft_loss(v, v.detach(), x, x, torch.full((2,), 0.5), torch.full((2,), 0.5),
                                                 mix_beta=0.1, adv_clip_max=1.0)[1])
-    loss, metrics = stepper.checked_loss(losses.diffusion_nft_loss, v, v.detach() * float("nan"), x, x,
-                                         torch.full((2,), 0.5), torch.full((2,), 0.5), mix_beta=0.1, adv_clip_max=1.0)
+    loss, metrics = losses.diffusion_nft_loss(v, v.detach() * float("nan"), x, x, torch.full((2,), 0.5),
+                                              torch.full((2,), 0.5), mix_beta=0.1, adv_clip_max=1.0)
     assert not math.isfinite(loss.item()) and set(metrics) == finite_keys
-    loss.backward()
+    stepper.backward(loss)
     m = stepper.step(opt)
     assert m["actor/step_skipped"] == 1.0 and m["actor/consecutive_skips"] == 1.0
-    assert "non-finite loss" in stepper.last_skip_reason and "old_prediction" in stepper.last_skip_reason
+    assert stepper.last_skip_reason == "non-finite loss"
     assert unchanged(before)
+    # a NaN loss whose gradient is finite (a NaN constant term) is caught too: by the loss, not the grad norm
+    other = GradStepper(max_grad_norm=1.0)
+    other.backward(model(x).pow(2).mean() + float("nan"))
+    m = other.step(opt)
+    assert m["actor/step_skipped"] == 1.0 and math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
+    assert other.last_skip_reason == "non-finite loss" and unchanged(before)
     # a bad argument is still an error (never taken for a non-finite loss)
     with pytest.raises(ValueError, match="mix_beta"):
-        stepper.checked_loss(losses.diffusion_nft_loss, v, v, x, x, torch.full((2,), 0.5), torch.full((2,), 0.5),
-                             mix_beta=0.0, adv_clip_max=1.0)
+        losses.diffusion_nft_loss(v, v, x, x, torch.full((2,), 0.5), torch.full((2,), 0.5), mix_beta=0.0,
+                                  adv_clip_max=1.0)
     # 2. finite loss and gradient, but the update makes the weights non-finite (lr = inf): undone exactly
     opt.param_groups[0]["lr"] = float("inf")
     model(x).pow(2).mean().backward()

@@ -47,6 +47,26 @@ def test_every_trainer_flag_has_a_resume_class():
 
 
 
+def test_a_checkpoint_of_a_removed_operational_flag_still_resumes():
+    """--loss_metrics (logged, never fingerprinted) is gone: a checkpoint whose config holds it resumes, the key
+    reported as changed; a removed blocking key would be refused (the fingerprint covers it)."""
+    from training.checkpoint import CheckpointError, check_resume_config
+    from training.resume_policy import RESUME_MUTABLE_KEYS, logged_values
+
+    now = {"lr": 1e-3, "seed": 1, "save_freq": 5}
+    old = {**now, "loss_metrics": "device"}
+    ignore = set(RESUME_MUTABLE_KEYS) | {"loss_metrics"}  # the classification the old checkpoint was written under
+    digest, values = config_fingerprint(old, ignore)
+    state = {"world_size": 1, "adapters": ["default"], "config_fingerprint": digest, "fingerprinted_config": values,
+             "logged_config": logged_values(old, ignore)}
+    assert "loss_metrics" not in RESUME_MUTABLE_KEYS
+    lines = check_resume_config("ckpt", state, now, adapter_names=["default"])
+    assert lines == ["changed since the checkpoint (operational flags and paths, allowed):\n  "
+                     "loss_metrics: checkpoint='device' now='<absent>'"]
+    with pytest.raises(CheckpointError, match="seed"):
+        check_resume_config("ckpt", state, {"lr": 1e-3, "save_freq": 5}, adapter_names=["default"])
+
+
 def test_config_fingerprint():
     h1, v1 = config_fingerprint({"a": 1, "b": (1, 2), "total_training_steps": 3})
     h2, _ = config_fingerprint({"b": [1, 2], "a": 1, "total_training_steps": 300})

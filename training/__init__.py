@@ -15,7 +15,8 @@ tests/test_architecture.py). Everything else is imported from the module that de
    non-finite loss, grad norm or updated parameter skips the step on every rank (undone, counted, logged); the
    DiffusionNFT `old` adapter copy / EMA refresh.
 4. `data.py`: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per
-   rank; `mini_batches` / `micro_batches`, the update's schedule over a step's samples.
+   rank; `mini_batches` / `micro_batches`, the update's schedule over a step's samples, and `micro_steps`, the
+   update loop's one iterator over it (mini-batch, micro-batch, timestep / stored step, whether the optimizer steps).
 5. `resume_policy.py`: which flags a resume may change, the config and content fingerprints that check it;
    `checkpoint.py`: atomic save (temp dir, sha256 manifest written last, rename), `find_latest`, exact
    `load_checkpoint` (weights_only) that refuses a partial or corrupt checkpoint, the layout; `resume.py`:
@@ -61,8 +62,8 @@ from .distributed import init_distributed, cleanup_distributed
 from .model import ADAPTER_DEFAULT, ADAPTER_OLD, use_adapter
 # 3. the `old` adapter refresh
 from .optim import adapters_equal, old_policy_refresh
-# 4. the update's mini- and micro-batches
-from .data import micro_batches, mini_batches
+# 4. the update's micro-batches and micro-steps
+from .data import micro_batches, micro_steps
 # 5. checkpoint errors, adapter provenance, a run's flags as the scripts' defaults
 from .checkpoint import CheckpointError, unverified_adapter_line
 from .run_settings import set_defaults_from_checkpoint
@@ -92,7 +93,7 @@ __all__ = [
     "init_distributed", "cleanup_distributed",
     "ADAPTER_DEFAULT", "ADAPTER_OLD", "use_adapter",
     "adapters_equal", "old_policy_refresh",
-    "micro_batches", "mini_batches",
+    "micro_batches", "micro_steps",
     "CheckpointError", "unverified_adapter_line", "set_defaults_from_checkpoint",
     "MetricAccumulator", "timer", "image_grid", "prompt_text", "all_gather_objects", "gather_first_images",
     "HelpFormatter",

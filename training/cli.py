@@ -83,7 +83,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
-        kwargs.setdefault("allow_abbrev", False)  # `--loss` on train_nft.py must not quietly mean --loss_metrics
+        kwargs.setdefault("allow_abbrev", False)  # a flag's prefix never quietly means the flag
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

@@ -1,14 +1,14 @@
 """Data: `PromptSampler`, a resumable, deterministic, epoch-shuffled sampler of prompt indices, sharded per rank, and
-the update's schedule over a step's samples (`mini_batches` of `micro_batches`)."""
+the update's schedule over a step's samples (`mini_batches` of `micro_batches`, walked by `micro_steps`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["SamplerBatch", "PromptSampler", "micro_batches", "mini_batches"]
+__all__ = ["SamplerBatch", "PromptSampler", "micro_batches", "mini_batches", "MicroStep", "micro_steps"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,31 @@ def mini_batches(n: int, mini: int, micro: int, *, epochs: int = 1,
     for _ in range(epochs):
         for start in range(0, n, mini):
             yield micro_batches(start, start + mini, micro, device)
+
+
+class MicroStep(NamedTuple):
+    """One micro-step of the update (`micro_steps`)."""
+
+    i: int  # the mini-batch (one optimizer step), counted over all epochs
+    mb: torch.Tensor  # (b,) the micro-batch's sample indices
+    k: int  # the inner step: NFT's training timestep, DPPO's stored SDE step
+    out: Any  # what the trainer's forwards yielded for (mb, k)
+    last: bool  # the optimizer steps after this micro-step (the last one of mini-batch i)
+
+
+def micro_steps(n: int, mini: int, micro: int, inner: int,
+                forwards: Callable[[int, torch.Tensor], Iterable[tuple[int, Any]]], *, epochs: int = 1,
+                device: torch.device | str | None = None) -> Iterator[MicroStep]:
+    """The update's micro-steps over one step's `n` local samples: the `mini_batches` (`epochs` passes of mini-batches
+    of `mini` samples, one optimizer step each) of micro-batches `mb` of `micro` samples, and for each micro-batch the
+    `inner` pairs (k, out) of the trainer's generator `forwards(i, mb)`, k = 0 .. inner - 1 (its forwards per
+    timestep / stored step, run lazily: those of step k + 1 after the trainer's backward of step k). A mini-batch
+    holds mini / micro x inner micro-steps; the trainer divides each loss by that count and steps the optimizer after
+    the `last` one."""
+    for i, micro_batches in enumerate(mini_batches(n, mini, micro, epochs=epochs, device=device)):
+        for m, mb in enumerate(micro_batches):
+            k = -1
+            for k, out in forwards(i, mb):
+                yield MicroStep(i, mb, k, out, m == len(micro_batches) - 1 and k == inner - 1)
+            if k != inner - 1:
+                raise ValueError(f"the forwards of a micro-batch ended at step {k}, not at {inner - 1}")

@@ -178,10 +178,6 @@ def add_common_args(parser) -> None:
                    help="every N training steps, append every judge reply of the step (verbatim, with the row, "
                         "ground truth and reward) to <output_dir>/judge_replies.jsonl; validation's are always "
                         "appended (0 = training steps never)")
-    g.add_argument("--loss_metrics", default="device", choices=["device", "host"],
-                   help="the update's loss metrics: 'device' = kept on the device and read once per optimizer step "
-                        "(the non-finite check too), 'host' = read after every loss call (one host sync each; the "
-                        "old path: same numbers, and a non-finite loss names its inputs)")
     g.add_argument("--profile_step", type=int, default=0,
                    help="record a torch.profiler trace of this training step (CPU + CUDA) into "
                         "<output_dir>/profile/ (each trainer rank) and <output_dir>/rollout_logs/ (each rollout "

@@ -199,7 +199,7 @@ class MetricAccumulator:
     """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks.
 
     Tensor values stay on their device until `reduce()` (no host sync per micro-batch for callers that pass
-    tensors, e.g. the losses' metrics with ``sync=False``; float and tensor values give the same bits: both are
+    tensors, e.g. the losses' metrics; float and tensor values give the same bits: both are
     summed in float64 in the same order). The rank mean is ONE
     all_reduce of a float64 vector [means..., key count, key hash]; every rank must have added the same keys (a
     different key set is detected and raised, never silently averaged).

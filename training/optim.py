@@ -140,10 +140,12 @@ def _any_rank(flag: bool, param: torch.Tensor | None) -> bool:
 class GradStepper:
     """Clip, check and apply one optimizer step; a non-finite loss, gradient or updated parameter skips it.
 
-    Every rank takes the same decision: a non-finite loss on any rank (`checked_loss`, one all_reduce), a
-    non-finite total grad norm (`torch.nn.utils.clip_grad_norm_` reduces FSDP2 DTensor grads across ranks, verified
-    on gloo/CPU against an unsharded model), or a non-finite parameter / optimizer state after `optimizer.step()` on
-    any rank (one all_reduce) -> the step is skipped: grads dropped, and in the last case the update undone from a
+    The trainer back-propagates every loss through `backward` (NaN/inf losses too, so every rank runs the same FSDP
+    collectives), which ands its finiteness into one device flag; `step` reads that flag once, with the grad norm.
+    Every rank takes the same decision: a non-finite loss on any rank (one all_reduce), a non-finite total grad norm
+    (`torch.nn.utils.clip_grad_norm_` reduces FSDP2 DTensor grads across ranks, verified on gloo/CPU against an
+    unsharded model), or a non-finite parameter / optimizer state after `optimizer.step()` on any rank (one
+    all_reduce) -> the step is skipped: grads dropped, and in the last case the update undone from a
     copy of this rank's parameter and optimizer-state shards taken just before it (exact; costs one copy of the
     LoRA parameters and AdamW moments per rank). `skipped_steps` counts skips over the whole run,
     `consecutive_skips` the current streak (both restored from the checkpoint's trainer state), `last_skip_reason`
@@ -155,8 +157,7 @@ class GradStepper:
     consecutive_skips: int = 0
     applied_steps: int = 0
     last_skip_reason: str = ""
-    _loss_problem: str = field(default="", repr=False)
-    _finite: torch.Tensor | None = field(default=None, repr=False)  # device flag of the sync=False losses
+    _finite: torch.Tensor | None = field(default=None, repr=False)  # all losses since the last step finite (device)
     _batch_problem: str = field(default="", repr=False)
     on_loss: Callable[[], None] | None = field(default=None, repr=False)  # `ProfileWindow.tick` while profiling
 
@@ -166,25 +167,15 @@ class GradStepper:
         (each rank's flag is OR-ed over the ranks in `step`)."""
         self._batch_problem = reason
 
-    def checked_loss(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]], *args: Any,
-                     **kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        """`loss_fn(*args, **kwargs)` (a `losses` objective). A `losses.NonFiniteLossError` (NaN/inf from the
-        numbers; bad arguments still raise) is recorded, and its loss and metrics are returned: the trainer
-        back-propagates it like any other, so every rank runs the same FSDP collectives, and `step` then skips.
-        A loss called with ``sync=False`` raises nothing: its `LossMetrics.finite` flag is and-ed on the device
-        and read once, by `step`, with the same outcome (the step skipped). `on_loss`, when set, is called first
-        (the profiler window counts the update's micro-steps by it)."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` for one micro-step of the update, and-ing ``isfinite(loss)`` into the device flag that
+        `step` reads (no host read here). `on_loss`, when set, is called first (the profiler window counts the
+        update's micro-steps by it)."""
         if self.on_loss is not None:
             self.on_loss()
-        try:
-            loss, metrics = loss_fn(*args, **kwargs)
-        except losses.NonFiniteLossError as e:
-            self._loss_problem = self._loss_problem or str(e).split(";")[0]
-            return e.loss, e.metrics
-        finite = getattr(metrics, "finite", None)
-        if finite is not None:
-            self._finite = finite if self._finite is None else self._finite & finite
-        return loss, metrics
+        finite = torch.isfinite(loss.detach())
+        self._finite = finite if self._finite is None else self._finite & finite
+        loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Returns {"actor/grad_norm", "actor/lr", "actor/step_skipped", "actor/skipped_steps",
@@ -192,19 +183,15 @@ class GradStepper:
         all_params = [p for group in optimizer.param_groups for p in group["params"]]
         params = [p for p in all_params if p.grad is not None]
         first = all_params[0] if all_params else None
-        if params:
-            max_norm = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)
-            grad_norm = float(full_tensor(norm).item())
-        else:
-            grad_norm = 0.0
-        reason = ""
-        if self._finite is not None and not bool(self._finite.item()) and not self._loss_problem:
-            self._loss_problem = "loss is not finite (found at the optimizer step: --loss_metrics device; " \
-                                 "--loss_metrics host names the inputs)"
+        max_norm = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
+        norm = (full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=False)) if params
+                else torch.zeros(()))
+        finite = torch.ones((), dtype=torch.bool) if self._finite is None else self._finite
+        grad_norm, loss_finite = torch.stack([norm, finite.to(norm)]).tolist()  # the step's one host read of both
         self._finite = None
-        if _any_rank(bool(self._loss_problem or self._batch_problem), first):
-            reason = (self._batch_problem or f"non-finite loss: {self._loss_problem or 'on another rank'}")
+        reason = ""
+        if _any_rank(bool(self._batch_problem or not loss_finite), first):
+            reason = self._batch_problem or "non-finite loss" + ("" if not loss_finite else " on another rank")
         elif not math.isfinite(grad_norm):
             reason = f"non-finite gradient norm ({grad_norm})"
         else:
@@ -213,7 +200,6 @@ class GradStepper:
             if _any_rank(not self._all_finite(optimizer), first):
                 self._restore(optimizer, backup)
                 reason = "non-finite parameters after the update (the update was undone)"
-        self._loss_problem = ""
         if reason:
             self.skipped_steps += 1
             self.consecutive_skips += 1

@@ -43,10 +43,10 @@ class ProfileWindow:
     """Record one training step from its start to the end of its first `micro_steps` update micro-steps (CPU + CUDA
     activities, no shapes / stacks / memory), then stop and write the trace (gzipped Chrome JSON) to `path`.
 
-    `start()` at the step's start; `tick()` at every loss call of the update (`GradStepper.checked_loss` calls it):
+    `start()` at the step's start; `tick()` at every backward of the update (`GradStepper.backward` calls it):
     the first tick opens the `update_window` annotation, the (micro_steps + 1)-th closes it and stops, so the
     window holds `micro_steps` whole micro-steps in their steady state (backward of one, forwards of the next), and
-    the trace also holds what came before the first loss (rollout wait, advantages, old log-probs, first forwards).
+    the trace also holds what came before the first backward (rollout wait, advantages, old log-probs, first forwards).
     `stop()` at the step's end stops a window that saw fewer ticks (idempotent). micro_steps = 0: the whole step.
     Both ends synchronise CUDA, so every kernel launched inside the window also runs inside it."""
 

@@ -63,7 +63,7 @@ RESUME_LOGGED: frozenset[str] = frozenset({
     "micro_batch_size", "activation_checkpointing", "cfg_batch", "rollout_devices", "rollout_max_batch_size",
     "rollout_timeout_s", "rollout_startup_timeout_s", "collective_timeout_s", "rollout_threads", "judge_log_freq",
     "base_weights_dtype", "activation_checkpointing_blocks", "rollout_python", "rollout_sync", "reward_overlap",
-    "attention_backend", "loss_metrics", "profile_step", "profile_micro_steps", "fsdp", "compile", "old_from_update",
+    "attention_backend", "profile_step", "profile_micro_steps", "fsdp", "compile", "old_from_update",
     # only read at step 0 (a resume restores the adapters) / only steer validation
     "init_adapter", "val_adapter",
     # the reward servers and devices
