@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from losses import flow_sigmas, time_shift_mu
 from models.base import FlowModel, NotLoaded, PromptEmbeds, chat_messages, per_row_noise, read_json, to_uint8
-# the wrapper's transformer; scripts/build_tiny_models.py also imports it from here (left as is: that script's sha256
+# the wrapper's transformer; tools/build_tiny_models.py also imports it from here (left as is: that script's sha256
 # keys the cache of tiny checkpoints)
 from models.boogu_image_transformer import BooguImageTransformer2DModel, boogu_image_forward_flops
 

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TINY_MODELS_DIR=${TINY_MODELS_DIR:-.cache/tiny_models}
 OUT=${OUT:-outputs/demo}
-python3 scripts/build_tiny_models.py --out "$TINY_MODELS_DIR" --only qwen_image
+python3 tools/build_tiny_models.py --out "$TINY_MODELS_DIR" --only qwen_image
 python3 data_prep/make_demo_data.py --model qwen_image --output_dir "$OUT/data"
 # torchrun SIGKILLs the ranks this long after forwarding a SIGTERM / SIGINT (its default: 30 s). The last finished
 # step is written at once on the signal; this leaves the step in progress time to finish and save too. torch

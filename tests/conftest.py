@@ -12,8 +12,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-if os.path.join(REPO, "scripts") not in sys.path:
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+for _folder in ("scripts", "tools"):  # the user scripts (sample, evaluate, torchrun) and the developer tools
+    if os.path.join(REPO, _folder) not in sys.path:
+        sys.path.insert(0, os.path.join(REPO, _folder))
 
 torch.set_num_threads(1)
 

@@ -7,6 +7,8 @@ module B (`from pkg import name` points at `pkg.name` when that is a module, els
 layered (`engines/__init__.py`); a cycle anywhere is reported as its path, e.g. `a -> b -> a`. A name that crosses
 a module is public: no product module imports or reads another project module's `_name`. `training/__init__.py`
 exports only what the two trainers and the user scripts call; everything else is imported from its module.
+Folders by audience: `scripts/` holds what users run, `tools/` what developers run (benchmarks, test fixtures, the
+ocr_mini pretrainer); tools may import the product code and scripts/, but neither imports tools.
 """
 
 from __future__ import annotations
@@ -311,3 +313,63 @@ def test_the_package_name_scan_finds_each_form(tmp_path):
                                    "    return T.run_cli, T.logs.timer, training.timer, other.image_grid\n")
     assert package_names_used(tmp_path / "a.py", "training", {"checkpoint", "logs", "optim"}) == {
         "setup_run", "run_cli", "timer"}
+
+
+def tool_modules(root: Path) -> set[str]:
+    """The names under which `tools/` code can be imported: `tools` itself and each module or package in it (the
+    benches and fixtures put `tools/` on sys.path and import each other by bare name, e.g. `import build_tiny_models`)."""
+    folder = root / "tools"
+    return {"tools"} | {p.stem for p in folder.glob("*.py") if p.stem != "__init__"} | {
+        p.name for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+
+
+def imports_of_tools(root: Path, packages: tuple[str, ...] = PRODUCT_PACKAGES) -> list[str]:
+    """Every import of tools/ code, anywhere in a product module or a user script (scripts/*.py), as "file:line:
+    module"; `from tools import x` and `import tools.x.y` count like `import build_tiny_models`."""
+    tools = tool_modules(root)
+    files = sorted(product_modules(root, packages).values()) + sorted((root / "scripts").glob("*.py"))
+    found: list[str] = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(root)}:{node.lineno}: {name}" for name in names
+                      if name.split(".")[0] in tools]
+    return found
+
+
+def test_neither_the_product_code_nor_the_user_scripts_import_tools():
+    """The arrow points one way: tools/ (benches, fixtures, the ocr_mini pretrainer) may import the product code and
+    scripts/, never the reverse. (scripts/run_demo.sh runs tools/build_tiny_models.py for its tiny model: a command,
+    not an import.)"""
+    assert {"build_tiny_models", "trainer_runs", "bench_step", "pretrain_ocr_mini"} <= tool_modules(REPO)
+    found = imports_of_tools(REPO)
+    assert not found, "product modules or user scripts import tools/:\n" + "\n".join(found)
+
+
+def test_scripts_holds_only_what_users_run():
+    """Every Python file in scripts/ is a command (a `__main__` entry point), none is a bench or a fixture, and no
+    name is both a script and a tool (one bare-name import path for each)."""
+    scripts = sorted((REPO / "scripts").glob("*.py"))
+    assert scripts and all("__name__ == \"__main__\"" in p.read_text(encoding="utf-8") for p in scripts), scripts
+    names = {p.stem for p in (REPO / "scripts").iterdir()}
+    assert not {n for n in names if n.startswith(("bench_", "build_", "check_"))}, sorted(names)
+    assert not names & tool_modules(REPO)
+
+
+def test_the_tools_import_scan_finds_each_form(tmp_path):
+    """A synthetic tree: `import tools.x`, `from tools import x`, a bare tool module inside a function, in a product
+    module and in a user script; a relative import and an unrelated module do not count."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "__init__.py").write_text("")
+    (tmp_path / "tools" / "bench_x.py").write_text("import rollout\n")
+    (tmp_path / "tools" / "pkg").mkdir()
+    (tmp_path / "tools" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "user.py").write_text("def f():\n    import bench_x\n")
+    (tmp_path / "rollout.py").write_text("import os\nfrom tools import pkg\nimport tools.pkg.a as a\n")
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "__init__.py").write_text("from . import tools_like\nimport toolsmith\n")
+    assert imports_of_tools(tmp_path, ("engines",)) == [
+        "rollout.py:2: tools", "rollout.py:3: tools.pkg.a", "scripts/user.py:2: bench_x"]
+

@@ -1,4 +1,4 @@
-"""scripts/bench_learning.py: the math (standard error, time to a gain, DiffusionNFT's efficiency ratio with its
+"""tools/bench_learning.py: the math (standard error, time to a gain, DiffusionNFT's efficiency ratio with its
 spread, the bands, the calibrated GPU-seconds and step budget), each against values computed by hand; the fair
 default flags (parsed by the trainers' own parsers); reading runs back; the summary, JSON, markdown and plots; the
 scheduler's bookkeeping (calibration, concurrency, resume, the run-time limit, failures) with a fake launcher; the
@@ -132,7 +132,7 @@ def test_fair_defaults_each_recipe_batch_one_update_per_step_one_lr():
 
 
 def test_help_says_why():
-    text = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_learning.py"), "--help"],
+    text = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--help"],
                           capture_output=True, text=True, timeout=120).stdout
     for needed in ("cosine between two batches' gradients 0.00-0.09", "16 prompts x 16 = 256", "12 x 16 = 192",
                    "3e-4", "--concurrent", "start point", "--seeds", "calibration"):
@@ -301,7 +301,7 @@ def test_write_report_files_and_schema(tmp_path):
     assert_png(out / B.FILES["plot"])
     assert_png(out / B.FILES["grids"])
     md = (out / B.FILES["markdown"]).read_text()
-    assert "| DiffusionNFT | 2 |" in md and "INCOMPLETE" in md and "`python3 scripts/bench_learning.py --x`" in md
+    assert "| DiffusionNFT | 2 |" in md and "INCOMPLETE" in md and "`python3 tools/bench_learning.py --x`" in md
     assert "DiffusionNFT" in "\n".join(lines) and "start point" in "\n".join(lines)
 
 
@@ -416,7 +416,7 @@ def test_main_budget_becomes_steps_and_max_runtime_stops_launching(tiny_models, 
 
 def test_refuses_in_one_line_without_a_gpu(tmp_path):
     """Run with no GPU visible (CUDA_VISIBLE_DEVICES empty), so that it runs the same on a GPU machine."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_learning.py"), "--model_path", "m",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--model_path", "m",
                            "--train_files", "t", "--val_files", "v", "--out_dir", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
@@ -474,7 +474,7 @@ def test_sigterm_stops_every_running_trainer(tiny_models, tmp_path, monkeypatch)
 def test_smoke_end_to_end_with_seeds_calibration_and_two_concurrent_runs(tiny_models, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", TINY_MODELS_DIR=tiny_models, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_learning.py"), "--smoke",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--smoke",
                            "--algorithms", "control,nft", "--seeds", "2", "--concurrent", "2",
                            "--calibration_steps", "2", "--out_dir", str(out), "--work_dir", str(tmp_path / "runs")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)

@@ -1,4 +1,4 @@
-"""scripts/bench_step.py in its CPU smoke mode: the JSON schema, the ratio taken from the baseline and optimized
+"""tools/bench_step.py in its CPU smoke mode: the JSON schema, the ratio taken from the baseline and optimized
 runs of the same invocation, the Flow-DPPO bypass numerics (`optimized_bypass`, `--old_log_probs rollout`, against
 `optimized`, the recipes' recompute): with a zero rollout/trainer gap (fp32, CPU, one rank, one micro-batch) every
 loss, ratio and grad norm equals the recompute run's, the first-pass ratio stays within exp(±gap), and no
@@ -25,7 +25,7 @@ def smoke(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_step")
     env = dict(os.environ, TINY_MODELS_DIR=tiny_models, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     env.pop("FLOWRL_PEAK_TFLOPS", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), "--smoke", "--out",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_step.py"), "--smoke", "--out",
                            str(out / "bench.json"), "--workdir", str(out / "work"), "--profile", "--configs",
                            "baseline,optimized,optimized_bypass"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -114,7 +114,7 @@ def test_profile_traces_and_tables(smoke):
 def test_a_large_trace_is_kept_without_its_cpu_ops(smoke, tmp_path):
     """Over the size limit, the kept copy drops the CPU ops (what a device call returns is limited); the table is
     still read from the whole trace."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "tools"))
     import bench_step
     from engines.profiler import load_trace
 
@@ -136,7 +136,7 @@ def test_baseline_json_is_taken_from_an_earlier_run(smoke, tiny_models, tmp_path
     say where it came from; a malformed file or one from another machine is refused before anything runs."""
     result, _, path = smoke
     env = dict(os.environ, TINY_MODELS_DIR=tiny_models, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    bench = [sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), "--smoke", "--workdir",
+    bench = [sys.executable, os.path.join(REPO, "tools", "bench_step.py"), "--smoke", "--workdir",
              str(tmp_path / "work"), "--out", str(tmp_path / "again.json")]
     # optimized_train_cfg does not apply to Flow-DPPO: no run starts, only the baseline is read in
     proc = subprocess.run(bench + ["--configs", "optimized_train_cfg", "--baseline_json", str(path)], cwd=REPO,
@@ -172,10 +172,10 @@ def test_baseline_json_is_taken_from_an_earlier_run(smoke, tiny_models, tmp_path
 
 
 def test_configs_must_include_the_baseline():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), "--smoke", "--configs",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_step.py"), "--smoke", "--configs",
                            "optimized"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "must include baseline" in proc.stderr and "--baseline_json none" in proc.stderr
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), "--smoke", "--configs",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "bench_step.py"), "--smoke", "--configs",
                            "baseline,optimized", "--baseline_json", "x.json"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "drop baseline from --configs" in proc.stderr
@@ -197,7 +197,7 @@ def _fake_result(**machine) -> dict:
 def test_baseline_round_trip_and_refusals(tmp_path):
     """write_json -> load_baseline gives back the runs; baseline_problems names every machine or measurement
     difference; a file without an ok baseline of the recipe, of another schema or not JSON is refused."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "tools"))
     import bench_step
 
     earlier = _fake_result()
@@ -244,7 +244,7 @@ def test_train_rows_keeps_the_first_prompts(tmp_path):
     """--train_rows N trains on the first N demo prompts (every step then has step 1's sequence lengths)."""
     import pandas as pd
 
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "tools"))
     import bench_step
 
     full = pd.read_parquet(bench_step.demo_data("qwen_image", str(tmp_path)))
@@ -258,7 +258,7 @@ def test_train_rows_keeps_the_first_prompts(tmp_path):
 def test_gpu_runs_build_flags_every_trainer_accepts(gpus):
     """The GPU runs cannot run here: their trainer flags (every recipe x configuration, 1 and 4 GPUs) must at least
     parse in the trainer they go to, with the configuration's values winning over the recipe's."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, os.path.join(REPO, "tools"))
     import bench_step
     import train_dppo
     import train_nft

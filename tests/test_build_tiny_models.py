@@ -1,4 +1,4 @@
-"""scripts/build_tiny_models.py: real layouts, real tokenizer, determinism."""
+"""tools/build_tiny_models.py: real layouts, real tokenizer, determinism."""
 
 from __future__ import annotations
 

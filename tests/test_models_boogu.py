@@ -1,7 +1,7 @@
 """Boogu-Image: our transformer (released names, save/load, padding, checkpointing) and the FlowModel wrapper's
 conventions (t = 1 - sigma, negated output, static v1 schedule, system-prompt quirk, edit CFG, sizes).
 
-Runs on the tiny checkpoints built by scripts/build_tiny_models.py (session fixture `tiny_models`)."""
+Runs on the tiny checkpoints built by tools/build_tiny_models.py (session fixture `tiny_models`)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import train_nft
 from training.preflight import check_datasets
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "scripts")]
+sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tools")]
 
 
 def readme_block(heading: str, language: str) -> str:

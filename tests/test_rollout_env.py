@@ -1,7 +1,7 @@
 """Rollout workers in ANOTHER Python environment (--rollout_python), through the real protocol, on CPU.
 
 The trainer side is this interpreter (requirements.txt: torch 2.14.1, transformers 5.17.0); the workers run
-$ROLLOUT_PYTHON, the vllm-omni test environment (scripts/make_vllm_omni_test_env.sh: vllm-omni 0.30 / vLLM 0.30
+$ROLLOUT_PYTHON, the vllm-omni test environment (tools/make_vllm_omni_test_env.sh: vllm-omni 0.30 / vLLM 0.30
 with their own torch 2.13.0, torchvision 0.28.0, transformers 5.14.1). .ci/run builds that environment and runs
 
     ROLLOUT_PYTHON=.venv-vllm-omni/bin/python python3 -m pytest -o addopts=-ra -m rollout_env -q
@@ -27,7 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tools"))
 
 import rollout  # noqa: E402
 from engines import protocol  # noqa: E402
@@ -48,7 +48,7 @@ def rollout_python() -> str:
     python = os.environ.get("ROLLOUT_PYTHON")
     if not python:
         pytest.fail("set ROLLOUT_PYTHON to the other environment's interpreter, e.g. "
-                    "ROLLOUT_PYTHON=.venv-vllm-omni/bin/python (bash scripts/make_vllm_omni_test_env.sh builds it)")
+                    "ROLLOUT_PYTHON=.venv-vllm-omni/bin/python (bash tools/make_vllm_omni_test_env.sh builds it)")
     return python
 
 

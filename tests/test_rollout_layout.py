@@ -338,7 +338,7 @@ def test_tensor_sync_equals_disk_sync_and_refuses_wrong_tensor_sets(client, acto
 
 
 def test_bench_sync_smoke(client, tiny_models, tmp_path):
-    """scripts/bench_sync.py's CPU mode on the tiny Qwen-Image (on this module's worker, whose LoRA has alpha 8):
+    """tools/bench_sync.py's CPU mode on the tiny Qwen-Image (on this module's worker, whose LoRA has alpha 8):
     both sync paths timed, counts checked, the rollout after either path bit-identical."""
     import json
 

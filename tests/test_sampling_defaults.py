@@ -48,11 +48,10 @@ def test_sample_py_takes_the_model_folders_defaults_and_warns_far_from_them(tmp_
 
 @pytest.mark.parametrize("steps", [[10, 20], 20])
 def test_the_ocr_mini_assembly_writes_the_defaults_it_was_evaluated_with(tmp_path, steps):
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import pretrain_ocr_mini
+    from tools.pretrain_ocr_mini.ship import write_sampling_defaults
 
     info = {"recommended": {"height": 128, "width": 128, "num_inference_steps": steps, "true_cfg_scale": 1.0}}
-    pretrain_ocr_mini.write_sampling_defaults(tmp_path, info)
+    write_sampling_defaults(tmp_path, info)
     assert sampling_defaults(str(tmp_path)) == {"height": 128, "width": 128, "num_inference_steps": 20,
                                                 "true_cfg_scale": 1.0}
     shipped = json.load(open(os.path.join(REPO, "assets", "ocr_mini", "build_info.json")))["recommended"]

@@ -183,7 +183,7 @@ def add_common_args(parser) -> None:
                         "<output_dir>/profile/ (each trainer rank) and <output_dir>/rollout_logs/ (each rollout "
                         "worker's N-th generate request, N = this step - the start step: the step's rollout unless "
                         "a validation or --rollout_policy_lag 1 sent requests in between); 0 = off. "
-                        "scripts/bench_step.py --profile reads them")
+                        "tools/bench_step.py --profile reads them")
     g.add_argument("--profile_micro_steps", type=int, default=2,
                    help="the trainer's trace of --profile_step ends after this many update micro-steps (one loss, "
                         "its backward and the next forwards each), so that a long update costs seconds of tracing, "

@@ -1,4 +1,4 @@
-"""The profile of one training step and the table read from traces (`scripts/bench_step.py --profile`).
+"""The profile of one training step and the table read from traces (`tools/bench_step.py --profile`).
 
 `ProfileWindow` records a bounded part of one trainer step: from its start to the end of its first K update
 micro-steps (the window the update's behaviour repeats in; a whole Qwen-Image DiffusionNFT step is 20 micro-steps

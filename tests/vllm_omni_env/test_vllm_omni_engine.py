@@ -2,7 +2,7 @@
 (engines/vllm_omni_pipelines.py), against the REAL vllm-omni 0.30 / vLLM 0.30 classes on CPU. Run with the
 separate environment's python:
 
-    bash scripts/make_vllm_omni_test_env.sh
+    bash tools/make_vllm_omni_test_env.sh
     .venv-vllm-omni/bin/python -m pytest -o addopts=-ra -m vllm_omni_env tests/vllm_omni_env -q
 
 What runs here:
@@ -36,7 +36,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tools"))
 
 import engines.vllm_omni_pipelines as vp  # noqa: E402
 from engines import sampler  # noqa: E402

@@ -3,7 +3,7 @@
 Run ONLY with the separate environment's python (it imports vllm_omni at module top, so it cannot run in the
 system env, and the repo's pytest.ini `testpaths = tests` keeps a plain `python3 -m pytest` from collecting it):
 
-    bash scripts/make_vllm_omni_test_env.sh
+    bash tools/make_vllm_omni_test_env.sh
     .venv-vllm-omni/bin/python -m pytest -o addopts=-ra -m vllm_omni_env tests/vllm_omni_env -q
 
 What this pins down (the vllm-omni rollout engine relies on it; see the API notes for file/line references):

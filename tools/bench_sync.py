@@ -3,10 +3,10 @@
 that the workers read) against the tensor path (the adapter handed over in memory: one flat float32 buffer on the
 trainer GPU shared through CUDA IPC; a memory file on CPU), in ONE run, at the released LoRA size.
 
-    python scripts/bench_sync.py                            # GPU: Qwen-Image, released width, 60 blocks, LoRA r64
-    python scripts/bench_sync.py --device cpu --quick       # smoke test on CPU (tiny widths, seconds)
+    python tools/bench_sync.py                            # GPU: Qwen-Image, released width, 60 blocks, LoRA r64
+    python tools/bench_sync.py --device cpu --quick       # smoke test on CPU (tiny widths, seconds)
 
-The checkpoint is built by `scripts/bench_rollout.py`'s `build_checkpoint` (released transformer widths, tiny text
+The checkpoint is built by `tools/bench_rollout.py`'s `build_checkpoint` (released transformer widths, tiny text
 encoder and VAE, random weights, nothing downloaded; ~41 GB in bf16 at 60 blocks, written once to --workdir), or
 taken from --model_path. The LoRA is the trainers' default Qwen-Image target list at rank --lora_rank over every
 block: 60 blocks x 12 targets = 720 modules, 425M parameters, 1.7 GB in fp32 at r64; random non-zero A and B on
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (REPO, os.path.join(REPO, "scripts")):
+for path in (REPO, os.path.join(REPO, "tools")):
     if path not in sys.path:
         sys.path.insert(0, path)
 

@@ -3,10 +3,10 @@
 batched CFG (`cfg_batch=True`: one forward over [cond ; uncond]), in ONE run, on mid-size random-weight checkpoints
 that this script builds itself in the real on-disk layout (nothing is downloaded).
 
-    python scripts/bench_rollout.py                         # GPU default: cuda, bf16, 16 x 512x512, 10 steps, CFG 4
-    python scripts/bench_rollout.py --device cpu --quick    # smoke test on CPU (tiny widths, < 1 min)
+    python tools/bench_rollout.py                         # GPU default: cuda, bf16, 16 x 512x512, 10 steps, CFG 4
+    python tools/bench_rollout.py --device cpu --quick    # smoke test on CPU (tiny widths, < 1 min)
 
-Checkpoints: `scripts/build_tiny_models.py` builds each pipeline (tokenizer, tiny text encoder, tiny VAE,
+Checkpoints: `tools/build_tiny_models.py` builds each pipeline (tokenizer, tiny text encoder, tiny VAE,
 scheduler config, model_index.json) and the transformer/ folder is then replaced by a mid-size one with the RELEASED
 widths (Qwen-Image: 24 heads x 128, Boogu: hidden 3360, 28 heads / 7 kv heads, FFN 13568) and fewer layers
 (flags), initialised on the target device and saved in the run dtype. So every GEMM and attention call has the
@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (REPO, os.path.join(REPO, "scripts")):
+for path in (REPO, os.path.join(REPO, "tools")):
     if path not in sys.path:
         sys.path.insert(0, path)
 

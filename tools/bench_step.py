@@ -3,11 +3,11 @@
 subprocesses) on random-weight checkpoints in the released layouts, each recipe's settings scaled to the GPUs
 present, the baseline configuration (today's path) and the optimised one measured in ONE invocation.
 
-    python scripts/bench_step.py --recipe qwen_dppo                    # one recipe, baseline and optimized
-    python scripts/bench_step.py --recipe boogu_nft --configs baseline,optimized,optimized_train_cfg
-    python scripts/bench_step.py --smoke --out /tmp/bench_step.json    # CPU smoke run on the tiny Qwen-Image
-    python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json none --profile --out a.json
-    python scripts/bench_step.py --recipe qwen_nft --configs optimized --baseline_json a.json \
+    python tools/bench_step.py --recipe qwen_dppo                    # one recipe, baseline and optimized
+    python tools/bench_step.py --recipe boogu_nft --configs baseline,optimized,optimized_train_cfg
+    python tools/bench_step.py --smoke --out /tmp/bench_step.json    # CPU smoke run on the tiny Qwen-Image
+    python tools/bench_step.py --recipe qwen_nft --configs optimized --baseline_json none --profile --out a.json
+    python tools/bench_step.py --recipe qwen_nft --configs optimized --baseline_json a.json \
         --baseline_config optimized --optimized_flags="--attention_backend cudnn"     # a change against today's path
 
 Recipes (the shipped scripts' settings; per GPU as the recipes have them per GPU, the prompt count scaled so that
@@ -94,7 +94,7 @@ import time
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (REPO, os.path.join(REPO, "scripts")):
+for _path in (REPO, os.path.join(REPO, "tools")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -209,7 +209,7 @@ def build_in_subprocess(family: str, workdir: str, args) -> tuple[str, float]:
     code = ("import sys, types, torch; sys.path[:0] = [%r, %r]; import bench_rollout; "
             "a = types.SimpleNamespace(quick=False, qwen_layers=%d, boogu_double_layers=%d, boogu_single_layers=%d, "
             "boogu_refiner_layers=%d); print(bench_rollout.build_checkpoint(%r, %r, a, torch.device('cuda'), "
-            "torch.bfloat16))") % (REPO, os.path.join(REPO, "scripts"), args.qwen_layers, args.boogu_double_layers,
+            "torch.bfloat16))") % (REPO, os.path.join(REPO, "tools"), args.qwen_layers, args.boogu_double_layers,
                                    args.boogu_single_layers, args.boogu_refiner_layers, family, workdir)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:

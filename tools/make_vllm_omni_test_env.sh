@@ -3,8 +3,8 @@
 # with THEIR pinned torch 2.13.0 / torchvision 0.28.0 / transformers 5.14.1 / tokenizers 0.22.2 / accelerate 1.12.0
 # (vllm-omni 0.30 needs transformers<5.15; the trainer's environment has torch 2.14.1 / transformers 5.17.0).
 #
-#   bash scripts/make_vllm_omni_test_env.sh [VENV_DIR]      (default: <repo>/.venv-vllm-omni, git-ignored)
-#   VLLM_OMNI_VENV=/some/dir bash scripts/make_vllm_omni_test_env.sh
+#   bash tools/make_vllm_omni_test_env.sh [VENV_DIR]      (default: <repo>/.venv-vllm-omni, git-ignored)
+#   VLLM_OMNI_VENV=/some/dir bash tools/make_vllm_omni_test_env.sh
 #
 # Used by .ci/run for two things: (1) tests/vllm_omni_env/ runs IN this env (vllm-omni's real types, request
 # building, output parsing, LoRA binding); (2) tests/test_rollout_env.py runs in the trainer's env and starts

@@ -1,5 +1,5 @@
 """Launch a trainer under torchrun and read back what it logged (TensorBoard scalars and images, its console lines):
-the helpers that the trainer tests and scripts/bench_learning.py share."""
+the helpers that the trainer tests and tools/bench_learning.py share."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build tiny random-weight checkpoints in the real on-disk layouts, offline and deterministically.
 
-    python scripts/build_tiny_models.py --out .cache/tiny_models [--force] [--only qwen_image qwen3_vl_genrm ...]
+    python tools/build_tiny_models.py --out .cache/tiny_models [--force] [--only qwen_image qwen3_vl_genrm ...]
 
 Outputs (one folder each, same folder names, config keys, parameter names and tokenizer/processor files as the
 released checkpoints, only with tiny hidden sizes):

@@ -6,7 +6,7 @@ T2I and edit (reference-image) inputs with padded instruction masks of different
 and non-square latents. Prints the max relative error (max |ours - upstream| / max |upstream|) per case and
 exits non-zero when any exceeds --tol.
 
-With `--pipeline DIR` (a Boogu pipeline directory, e.g. the tiny one from scripts/build_tiny_models.py) it also
+With `--pipeline DIR` (a Boogu pipeline directory, e.g. the tiny one from tools/build_tiny_models.py) it also
 checks our `BooguImageModel` wrapper end to end against the released `BooguImagePipeline` built from the same
 components: a T2I batch with the default negative "" and an edit sample, both with text CFG 4.0, a few Euler steps
 from the same initial noise (and the same seeded VAE sample for the reference), compared on the decoded images.
@@ -15,7 +15,7 @@ t = 1 - sigma, the sign, the CFG order and the schedule together.
 
 Usage (the upstream repo is never vendored or installed; it is imported from the path you give; it needs
 `einops`, e.g. `pip install --target /tmp/boogu_deps einops` and PYTHONPATH=/tmp/boogu_deps):
-    PYTHONPATH=/tmp/boogu_deps python scripts/check_boogu_parity.py --upstream /path/to/Boogu-Image \
+    PYTHONPATH=/tmp/boogu_deps python tools/check_boogu_parity.py --upstream /path/to/Boogu-Image \
         [--pipeline .cache/tiny_models/boogu_image_edit]
 """
 

@@ -2,9 +2,9 @@ r"""Learning benchmark: DiffusionNFT, Flow-DPPO and Flow-GRPO, each at its recip
 several seeds, against one lr = 0 control, from one model folder, scored by the `rapidocr` OCR reward on every
 held-out prompt; held-out reward, its standard error and exact-match accuracy against GPU-seconds, with error bars.
 
-    python3 scripts/bench_learning.py --model_path MODEL --train_files train.parquet --val_files test.parquet \
+    python3 tools/bench_learning.py --model_path MODEL --train_files train.parquet --val_files test.parquet \
         --out_dir OUT --work_dir outputs/bench_learning_runs --concurrent 9 --resume   # one GPU
-    python3 scripts/bench_learning.py --smoke --out_dir /tmp/bench_smoke            # CPU: tiny Qwen-Image, 64², 2 steps
+    python3 tools/bench_learning.py --smoke --out_dir /tmp/bench_smoke            # CPU: tiny Qwen-Image, 64², 2 steps
 
 Runs (each `torchrun --nproc_per_node 1` in its own process group, the trainer rank and its rollout worker sharing
 one device, e.g. cuda:0):
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (REPO, os.path.join(REPO, "scripts")):
+for path in (REPO, os.path.join(REPO, "tools")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -1090,7 +1090,7 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
         "GPU-s to +g: over the seeds that reached start + g (interpolated between evaluations), k/n reached. NFT "
         "efficiency: the other's GPU-seconds to the gain / DiffusionNFT's (ratio of seed means ± delta-method "
         "std [min-max over seed pairs]; '> x' when the other never reached it).",
-        "Command: `python3 scripts/bench_learning.py " + " ".join(header["argv"]) + "`"]) + "\n"
+        "Command: `python3 tools/bench_learning.py " + " ".join(header["argv"]) + "`"]) + "\n"
     with open(os.path.join(out_dir, FILES["markdown"]), "w", encoding="utf-8") as f:
         f.write(markdown)
     tmp = os.path.join(out_dir, FILES["json"] + ".tmp")

@@ -2,13 +2,13 @@
 # GPU smoke test of the CUDA paths the CPU suite cannot reach: NCCL(+gloo) process group, FSDP2 with bf16 mixed
 # precision, fused AdamW, rollout workers on their own GPU (CUDA_VISIBLE_DEVICES per worker), bf16 rollouts.
 # Runs both trainers for a few steps on tiny checkpoints; needs >= 2 GPUs (trainer on cuda:0, rollout on cuda:1).
-#   bash scripts/gpu_smoke.sh [OUT_DIR]
+#   bash tools/gpu_smoke.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/gpu_smoke}
 mkdir -p "$OUT"
 export TINY_MODELS_DIR=${TINY_MODELS_DIR:-.cache/tiny_models}
-python3 scripts/build_tiny_models.py --out "$TINY_MODELS_DIR" --only qwen_image boogu_image_base
+python3 tools/build_tiny_models.py --out "$TINY_MODELS_DIR" --only qwen_image boogu_image_base
 python3 data_prep/make_demo_data.py --model qwen_image --output_dir "$OUT/data_qwen"
 python3 data_prep/make_demo_data.py --model boogu_image --output_dir "$OUT/data_boogu"
 COMMON=(--device cuda --precision bf16 --rollout_devices cuda:1 --rollout_dtype bfloat16 --height 128 --width 128
