@@ -373,3 +373,51 @@ def test_the_tools_import_scan_finds_each_form(tmp_path):
     assert imports_of_tools(tmp_path, ("engines",)) == [
         "rollout.py:2: tools", "rollout.py:3: tools.pkg.a", "scripts/user.py:2: bench_x"]
 
+
+
+MAX_MODULE_LINES = 700
+MAX_UPDATE_DEPTH = 4  # the `with T.timer("update_actor")`, one loop over the micro-steps, and a body of if / if-elif
+
+
+def block_depth(node: ast.AST) -> int:
+    """How many compound statements nest at most from `node` down, `node` included when it is one (an `elif` is a
+    branch of its `if`, not a block inside it)."""
+    compound = (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try, ast.Match)
+    own = 1 if isinstance(node, compound) else 0
+    children = []
+    for field in ("body", "orelse", "finalbody", "handlers"):
+        for child in getattr(node, field, []) or []:
+            is_elif = (field == "orelse" and isinstance(node, ast.If) and isinstance(child, ast.If)
+                       and child.col_offset == node.col_offset)  # `else:` + an indented `if` is one deeper
+            children.append(block_depth(child) - (1 if is_elif else 0))
+    return own + max(children, default=0)
+
+
+def update_loop(path: Path) -> ast.With:
+    """The trainer's `with T.timer("update_actor", ...)` block."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.With) and any(
+                isinstance(item.context_expr, ast.Call) and item.context_expr.args
+                and isinstance(item.context_expr.args[0], ast.Constant)
+                and item.context_expr.args[0].value == "update_actor" for item in node.items):
+            return node
+    raise AssertionError(f"{path.name}: no `with T.timer(\"update_actor\", ...)` block")
+
+
+def test_no_product_module_is_over_700_lines():
+    long = {name: n for name, path in product_modules(REPO).items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"product modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_each_trainers_update_loop_reads_at_most_four_blocks_deep():
+    depths = {name: block_depth(update_loop(REPO / name)) for name in ("train_nft.py", "train_dppo.py")}
+    assert all(d <= MAX_UPDATE_DEPTH for d in depths.values()), depths
+
+
+def test_block_depth_counts_nesting_and_not_elif():
+    tree = ast.parse("with a:\n    for x in y:\n        if p:\n            f()\n        elif q:\n            g()\n"
+                     "        else:\n            if r:\n                while s:\n                    h()\n")
+    assert block_depth(tree.body[0]) == 5  # with > for > if(else) > if > while
+    flat = ast.parse("with a:\n    for x in y:\n        if p:\n            f()\n        elif q:\n            g()\n")
+    assert block_depth(flat.body[0]) == 3
