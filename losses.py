@@ -487,7 +487,8 @@ def flow_dppo_loss(
       ``keep = not (pos_rm or neg_rm)`` (detached): updates that already push further in the advantage's
       direction beyond the trust region are dropped, corrective ones are kept;
     * ``loss = mean_i[ keep_i ? -A_i rho_i : 0 ]`` (a select; masked elements contribute neither value nor
-      gradient, even if their ratio overflowed).
+      gradient, even if their ratio overflowed); a non-finite ``D`` (no trust-region decision) makes it NaN, so the
+      optimizer step is skipped.
     Metrics: ``pg_loss``, ``ppo_kl``, ``approx_kl = mean(log_ratio^2 / 2)``, ``ratio_{mean,std (population),min,max}``,
     ``kl_new_old_{mean,max}``, ``kl_mask_fraction``, ``pos_rm_fraction``, ``neg_rm_fraction``,
     ``masked_fraction``, ``unmasked_fraction``.
@@ -506,11 +507,8 @@ def flow_dppo_loss(
         ratio = torch.exp(log_ratio)
         mean_sq = (prev_sample_mean.detach() - old_prev_sample_mean.detach()).pow(2)
         mean_sq = mean_sq.mean(dim=tuple(range(1, mean_sq.ndim))) if mean_sq.ndim > 1 else mean_sq
-        if add_kl_coefficient:
-            sigma_t = std_dev_t.detach().reshape(batch) * sqrt_neg_dt.detach().reshape(batch)
-            kl = mean_sq / (2 * sigma_t.pow(2))
-        else:
-            kl = mean_sq / 2
+        sigma_t = std_dev_t.detach().reshape(batch) * sqrt_neg_dt.detach().reshape(batch)
+        kl = mean_sq / (2 * sigma_t.pow(2)) if add_kl_coefficient else mean_sq / 2  # (B,)
         high = kl >= kl_mask_threshold
         pos_rm = high & (ratio > 1.0) & (advantages > 0)
         neg_rm = high & (ratio < 1.0) & (advantages < 0)
@@ -520,6 +518,7 @@ def flow_dppo_loss(
     safe_ratio = torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
     per_sample = torch.where(keep, -advantages * safe_ratio, torch.zeros_like(safe_ratio))
     loss = torch.mean(per_sample)
+    loss = torch.where(torch.isfinite(kl).all(), loss, torch.full_like(loss, float("nan")))  # NaN D: no mask decision
     with torch.no_grad():
         log_ratio_d = log_ratio.detach()
         metrics = {

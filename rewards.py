@@ -260,7 +260,7 @@ class RewardConfig:
                 raise ValueError("reward_weights is empty; omit it for single rewards chosen by data_source")
             bad = [k for k in self.reward_weights if k not in REWARDS]
             if bad:
-                raise ValueError(f"unknown reward(s) {bad} in reward_weights; known: {REWARD_NAMES}")
+                raise ValueError(f"unknown reward(s) {bad} in reward_weights; known: {tuple(REWARDS)}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RewardConfig":
@@ -289,7 +289,7 @@ def parse_reward_weights(spec: str) -> dict[str, float]:
         if not sep:
             raise ValueError(f"--reward_weights entry {part!r} is not NAME=WEIGHT")
         if name not in REWARDS:
-            raise ValueError(f"--reward_weights names an unknown reward {name!r}; known: {', '.join(REWARD_NAMES)}")
+            raise ValueError(f"--reward_weights names an unknown reward {name!r}; known: {', '.join(REWARDS)}")
         if name in weights:
             raise ValueError(f"--reward_weights lists reward {name!r} twice; give each reward one weight")
         try:
@@ -439,9 +439,9 @@ class RewardScorer:
         """Load the models of `names` now (fail early at startup rather than at the first reward)."""
         for name in names:
             if name not in REWARDS:
-                raise ValueError(f"unknown reward {name!r}; known: {REWARD_NAMES}")
+                raise ValueError(f"unknown reward {name!r}; known: {tuple(REWARDS)}")
             if REWARDS[name].model is not None:
-                REWARDS[name].model(self)
+                getattr(self, REWARDS[name].model)()
 
     def scores_rows_independently(self, data_sources: Sequence[str]) -> bool:
         """Whether every reward that rows with these data sources use scores each image on its own (jpeg_*, OCR
@@ -458,9 +458,9 @@ class RewardScorer:
         (named in errors)."""
         if name not in REWARDS:
             raise ValueError(
-                f"data_source {name!r} names no reward; known: {REWARD_NAMES}. data_source must name the reward "
+                f"data_source {name!r} names no reward; known: {tuple(REWARDS)}. data_source must name the reward "
                 f"(rewrite old datasets with data_prep/set_data_source.py)")
-        return REWARDS[name].score(self, images, gts, samples)
+        return getattr(self, REWARDS[name].score)(images, gts, samples)
 
     def score_ocr(self, images: list[torch.Tensor], gts: list[str],
                   samples: Sequence[int] | None = None) -> tuple[torch.Tensor, dict, dict]:
@@ -528,7 +528,7 @@ class RewardScorer:
         for i, ds in enumerate(data_sources):
             if ds not in REWARDS:
                 raise ValueError(
-                    f"sample {i}: data_source {ds!r} names no reward; known: {REWARD_NAMES}. data_source must name "
+                    f"sample {i}: data_source {ds!r} names no reward; known: {tuple(REWARDS)}. data_source must name "
                     f"the reward (relabel old datasets with data_prep/set_data_source.py)")
         weights = self.config.reward_weights
         names = list(weights) if weights else list(dict.fromkeys(data_sources))
@@ -582,30 +582,32 @@ class Reward:
     """One reward a row's `data_source` (or `--reward_weights`) can name. Adding a reward is one entry of
     `REWARDS` plus its scoring method on `RewardScorer`; the scorer, the preflight and the data tools read the table.
 
-    score: the scorer's method (images, ground truths, sample positions) -> (scores (n,), numeric extras, texts).
-    model: the scorer's method that builds the reward's model, called by `warmup` at start-up (None: no model).
+    score: the name of the scorer's method (images, ground truths, sample positions) -> (scores (n,), numeric
+        extras, texts).
+    model: the name of the scorer's method that builds the reward's model on first use; `warmup` calls it ahead of
+        the first score (None: no model).
     ground_truth_key: the `extra_info` key a multi-reward run reads this reward's ground truth from on rows whose
         data_source names another reward (None: the row's own ground truth serves every reward, e.g. jpeg).
     per_image: whether, under a config, it scores each image on its own (one request / call per image), so that row
         slices scored apart equal one call over all rows bit for bit (`RewardScorer.scores_rows_independently`).
     """
 
-    score: Callable[..., tuple[torch.Tensor, dict, dict]]
-    model: Callable[[RewardScorer], object] | None = None
+    score: str
+    model: str | None = None
     ground_truth_key: str | None = None
     per_image: Callable[[RewardConfig], bool] = lambda config: True
 
 
 REWARDS: dict[str, Reward] = {
     # the http judge and RapidOCR read one image per call; the local GenRM batches images
-    "ocr": Reward(RewardScorer.score_ocr, model=RewardScorer.ocr_reader, ground_truth_key="target_text",
+    "ocr": Reward("score_ocr", model="ocr_reader", ground_truth_key="target_text",
                   per_image=lambda config: config.ocr_backend in ("http", "rapidocr")),
-    "pickscore": Reward(RewardScorer.score_pickscore, model=RewardScorer.pickscore, ground_truth_key="instruction",
+    "pickscore": Reward("score_pickscore", model="pickscore", ground_truth_key="instruction",
                         per_image=lambda config: False),  # batched CLIP kernels
-    "jpeg_compressibility": Reward(RewardScorer.score_jpeg_compressibility),
-    "jpeg_incompressibility": Reward(RewardScorer.score_jpeg_incompressibility),
+    "jpeg_compressibility": Reward("score_jpeg_compressibility"),
+    "jpeg_incompressibility": Reward("score_jpeg_incompressibility"),
 }
-REWARD_NAMES = tuple(REWARDS)
+REWARD_NAMES = tuple(REWARDS)  # the names at import (argparse choices, data tools)
 
 
 def _main() -> None:

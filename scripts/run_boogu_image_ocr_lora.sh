@@ -14,12 +14,12 @@
 # DiffusionNFT), guidance 4.0, lr 1e-4 (verl-omni's Boogu DiffusionNFT recipe). Guidance 4
 # also in the training forwards (--train_cfg rollout, the default: the verl-omni Boogu NFT adapter applies text CFG to
 # the policy / old / reference forwards); --train_cfg off is DiffusionNFT's CFG-free design and halves the update's
-# transformer passes, but has no learning comparison yet (docs/PERFORMANCE.md). Activation checkpointing of every
+# transformer passes, but has no learning comparison yet (docs/lab/PERFORMANCE_LOG.md). Activation checkpointing of every
 # block: without it a micro-batch of 6 guided samples needs > 136 GiB. Frozen base weights in bf16
 # (--base_weights_dtype compute, the default). Batch: 8 prompts x 16 per GPU (24 on 3 GPUs), mini 4 per GPU (2
 # optimizer steps per rollout step); a rank's mini-batch is 4 x 16 = 64 samples, so micro 8.
 # Regional torch.compile of the double- and single-stream blocks (--compile blocks; trainer and native rollout):
-# 1.37x on one H200 after ~4 minutes of compilation in the first step (docs/PERFORMANCE.md); --compile off skips it.
+# 1.37x on one H200 after ~4 minutes of compilation in the first step (docs/lab/PERFORMANCE_LOG.md); --compile off skips it.
 # Data: python data_prep/ocr.py --model boogu_image --input_dir ~/data/ocr --output_dir ~/data/ocr/boogu_image
 # Extra flags go to train_nft.py: bash scripts/run_boogu_image_ocr_lora.sh --total_training_steps 100
 set -euo pipefail

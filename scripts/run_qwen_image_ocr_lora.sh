@@ -17,7 +17,7 @@
 # base weights in bf16. Batch: 3 ranks need a prompt count divisible by 3, so 30 prompts x 16 and mini 15 (2
 # optimizer steps per rollout step, as verl-omni's 32 / 16; each rank's mini-batch is 5 x 16 = 80 samples, micro 16).
 # Regional torch.compile of the transformer blocks (--compile blocks; trainer and native rollout): 1.35x on one
-# H200, after ~2-3 minutes of compilation in the first step (docs/PERFORMANCE.md); pass --compile off to skip it.
+# H200, after ~2-3 minutes of compilation in the first step (docs/lab/PERFORMANCE_LOG.md); pass --compile off to skip it.
 # Flow-GRPO baseline: add `--loss flow_grpo --clip_ratio 1e-5`.
 # Data: python data_prep/ocr.py --model qwen_image --input_dir ~/data/ocr --output_dir ~/data/ocr/qwen_image
 set -euo pipefail

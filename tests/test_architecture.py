@@ -1,9 +1,9 @@
-"""The import graph of the product code has no cycle.
+"""The import graph of the product code has no cycle, and the code keeps the shape docs/ARCHITECTURE.md draws.
 
 Every product module (the top-level *.py files and the packages `engines/`, `models/`, `reward_models/`,
 `training/`, `data_prep/`) is parsed with `ast`, never imported, and every import in it counts: module level, inside
-functions, under `TYPE_CHECKING`, relative (`from . import x`, `from .flags import y`). An edge A -> B means module A imports project
-module B (`from pkg import name` points at `pkg.name` when that is a module, else at `pkg`). The rollout code is
+functions, under `TYPE_CHECKING`, relative (`from . import x`, `from .flags import y`). An edge A -> B means module A
+imports project module B (`from pkg import name` points at `pkg.name` when that is a module, else at `pkg`). The rollout code is
 layered (`engines/__init__.py`); a cycle anywhere is reported as its path, e.g. `a -> b -> a`. A name that crosses
 a module is public: no product module imports or reads another project module's `_name`. `training/__init__.py`
 exports only what the two trainers and the user scripts call; everything else is imported from its module.
@@ -246,6 +246,7 @@ def test_the_private_name_checker_finds_each_form(tmp_path):
     assert private_names_across_modules(tmp_path, ("pkg",)) == [
         "d:4: a._secret (a)", "d:4: b._helper (pkg.b)", "d:4: bee._helper (pkg.b)",
         "pkg.c:1: from pkg.b import _helper", "pkg.c:4: from a import _secret", "pkg.sub:1: from pkg.b import _helper"]
+
 
 def test_the_checker_reads_the_real_tree_without_importing_it():
     """Parsing only: the graph is built from source text (e.g. vllm-omni, absent here, is never imported). Run in a

@@ -512,6 +512,19 @@ def test_dppo_overflowed_masked_ratio_gives_finite_loss_and_gradient():
     assert case["log_prob"].grad[0].item() == 0.0
 
 
+def test_dppo_non_finite_divergence_makes_the_loss_nan_so_the_step_is_skipped():
+    """A NaN in the old means (or sigma_t = 0 with equal means: 0/0) leaves D without a value: `D >= threshold` is
+    False for NaN, which would keep the sample as if inside the trust region; the loss is NaN instead."""
+    case = dppo_case(log_ratio=[0.1, 0.1], adv=[1.0, 1.0], shift=[0.1, 0.0])
+    case["old_prev_sample_mean"][0, 0, 0] = float("nan")
+    loss, _ = losses.flow_dppo_loss(**case)
+    assert math.isnan(loss.item())
+    zero_sigma = dppo_case(log_ratio=[0.1], adv=[1.0], shift=[0.0], sqrt_dt=0.0)
+    assert math.isnan(losses.flow_dppo_loss(**zero_sigma)[0].item())
+    finite = dppo_case(log_ratio=[0.1], adv=[1.0], shift=[0.0])  # D = 0: a finite loss, kept
+    assert losses.flow_dppo_loss(**finite)[0].item() == pytest.approx(-math.exp(0.1), rel=1e-14)
+
+
 def test_dppo_gradcheck_float64():
     case = dppo_case(log_ratio=[0.1, -0.2, 0.3], adv=[1.0, -1.0, 0.5], shift=[0.1, 1e-5, 0.1])
     lp = case.pop("log_prob").detach().requires_grad_()

@@ -360,7 +360,7 @@ def test_compiled_blocks_compute_what_eager_blocks_compute(tiny_models):
     forward with grad, two prompt lengths, AdamW steps) in fp32 equals eager within fp32 rounding, and the three
     adapter states still give three different velocities (a compiled graph reused across an adapter switch would
     not). One family only: a CPU compile costs minutes per model (Boogu-Image, FSDP2 and bf16 were checked the same
-    way when the flag was written: docs/PERFORMANCE.md)."""
+    way when the flag was written: docs/lab/PERFORMANCE_LOG.md)."""
     path = os.path.join(tiny_models, "qwen_image")
     prompts = ("a sign that says 'hello'", "a long sign that says 'hello world, how are you today'")
     fp32 = {mode: family_nft_run(path, "auto", dtype=torch.float32, compile=mode, old_b=True, prompts=prompts)

@@ -841,7 +841,6 @@ def test_scorer_builds_from_a_pickled_config_in_another_process():
                                                                        "jpeg_compressibility"]).rewards.tolist())
 
 
-
 def test_a_new_reward_is_one_table_entry_the_scorer_reads_everywhere(monkeypatch):
     """An entry added to REWARDS (here a constant reward that reads its ground truth from extra_info['caption'] on
     rows of another data_source) is scored, warmed up, checked for per-image scoring and found for multi-reward,
@@ -851,8 +850,9 @@ def test_a_new_reward_is_one_table_entry_the_scorer_reads_everywhere(monkeypatch
     def score_const(scorer, images, gts, samples=None):
         return torch.tensor([float(len(g)) for g in gts]), {"const/len": torch.ones(len(gts))}, {}
 
-    entry = R.Reward(score_const, model=lambda scorer: built.append(scorer), ground_truth_key="caption",
-                     per_image=lambda config: False)
+    monkeypatch.setattr(R.RewardScorer, "score_const", score_const, raising=False)
+    monkeypatch.setattr(R.RewardScorer, "const_model", lambda scorer: built.append(scorer), raising=False)
+    entry = R.Reward("score_const", model="const_model", ground_truth_key="caption", per_image=lambda config: False)
     monkeypatch.setitem(R.REWARDS, "const", entry)
     scorer = R.RewardScorer()
     images = [torch.zeros(3, 8, 8, dtype=torch.uint8)] * 2
@@ -869,5 +869,5 @@ def test_a_new_reward_is_one_table_entry_the_scorer_reads_everywhere(monkeypatch
     assert res.rewards.tolist() == [4.0]
     with pytest.raises(ValueError, match=r"extra_info\['caption'\]"):
         weighted.score_batch(images[:1], ["ignored"], ["jpeg_compressibility"], [{}])
-    with pytest.raises(ValueError, match="names no reward"):
+    with pytest.raises(ValueError, match="names no reward; known: .*'const'"):
         scorer.score_batch(images[:1], ["x"], ["unknown_reward"])

@@ -80,9 +80,19 @@ def test_micro_steps_walk_the_schedule_lazily_and_mark_each_optimizer_step():
     assert events[:4] == [("forward", 0, [0, 1], 0), ("backward", 0, [0, 1], 0), ("forward", 0, [0, 1], 1),
                           ("backward", 0, [0, 1], 1)]
     assert [e[0] for e in events] == ["forward", "backward"] * 24
-    with pytest.raises(ValueError, match="ended at step 1, not at 2"):
+    with pytest.raises(ValueError, match="ended after 2 of 3 steps"):
         list(T.micro_steps(2, 2, 2, 3, lambda i, mb: enumerate("ab")))
-
+    # one step too many: refused at the extra step, before the trainer sees it (the optimizer stepped at k = 1 only
+    # because that was the last of 2; no micro-step past it is handed out)
+    handed = []
+    with pytest.raises(ValueError, match="yielded step 2 past its 2 steps"):
+        for step in T.micro_steps(2, 2, 2, 2, lambda i, mb: enumerate("abc")):
+            handed.append(step.k)
+    assert handed == [0, 1]
+    with pytest.raises(ValueError, match="yielded step 1 where step 0 was due"):
+        list(T.micro_steps(2, 2, 2, 2, lambda i, mb: iter([(1, "x")])))
+    with pytest.raises(ValueError, match="at least one inner step"):
+        list(T.micro_steps(2, 2, 2, 0, lambda i, mb: iter([])))
 
 
 def test_sampler_resume_and_refusals():

@@ -17,7 +17,7 @@ the judge; 512², 10 rollout steps, LoRA 64/128, activation checkpointing of eve
              micro 16 per trainer GPU;
   qwen_nft   Qwen-Image, DiffusionNFT (verl-omni's recipe: no CFG, mix_beta 0.1, ref_kl_coef 1e-4); 16 images
              per trainer GPU, micro 16 (verl-omni's is 8: one micro-batch of 16 halves the host's work per image,
-             0.30 -> 0.35 images/GPU/s on one H200 with 26% of its memory free; docs/PERFORMANCE.md);
+             0.30 -> 0.35 images/GPU/s on one H200 with 26% of its memory free; docs/lab/PERFORMANCE_LOG.md);
   boogu_nft  Boogu-Image-0.1-Base, DiffusionNFT (the seed recipe: guidance 4, mix_beta 0.1, ref_kl_coef 10,
              adv_clip_max 1); 12 images, micro 12 per trainer GPU.
 Configurations (the flags that differ; everything else is the recipe's):
@@ -101,7 +101,7 @@ for _path in (REPO, os.path.join(REPO, "tools")):
 SCHEMA_VERSION = 1
 FAMILY_OF = {"qwen_dppo": "qwen_image", "qwen_nft": "qwen_image", "boogu_nft": "boogu_image"}
 TRAINER_OF = {"qwen_dppo": "train_dppo.py", "qwen_nft": "train_nft.py", "boogu_nft": "train_nft.py"}
-# recipes whose optimized runs compile the transformer blocks (measured on one H200, docs/PERFORMANCE.md)
+# recipes whose optimized runs compile the transformer blocks (measured on one H200, docs/lab/PERFORMANCE_LOG.md)
 COMPILED_RECIPES = ("qwen_dppo", "qwen_nft", "boogu_nft")
 CONFIGS = ("baseline", "optimized", "optimized_bypass", "optimized_train_cfg", "optimized_ckpt_half")
 ONLY_FOR = {"optimized_train_cfg": "train_nft.py", "optimized_bypass": "train_dppo.py"}  # trainer-specific configs

@@ -126,10 +126,16 @@ def micro_steps(n: int, mini: int, micro: int, inner: int,
     timestep / stored step, run lazily: those of step k + 1 after the trainer's backward of step k). A mini-batch
     holds mini / micro x inner micro-steps; the trainer divides each loss by that count and steps the optimizer after
     the `last` one."""
+    if inner < 1:
+        raise ValueError(f"a micro-batch needs at least one inner step, got {inner}")
     for i, micro_batches in enumerate(mini_batches(n, mini, micro, epochs=epochs, device=device)):
         for m, mb in enumerate(micro_batches):
-            k = -1
+            expected = 0
             for k, out in forwards(i, mb):
+                if k != expected or k >= inner:  # checked before the trainer's backward, so no gradient leaks
+                    due = f"past its {inner} steps" if expected >= inner else f"where step {expected} was due"
+                    raise ValueError(f"the forwards of a micro-batch yielded step {k} {due}")
                 yield MicroStep(i, mb, k, out, m == len(micro_batches) - 1 and k == inner - 1)
-            if k != inner - 1:
-                raise ValueError(f"the forwards of a micro-batch ended at step {k}, not at {inner - 1}")
+                expected += 1
+            if expected != inner:
+                raise ValueError(f"the forwards of a micro-batch ended after {expected} of {inner} steps")

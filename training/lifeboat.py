@@ -228,7 +228,7 @@ class Lifeboat:
 
     # ----------------------------------------------------------------------------------------- the divergence stop
 
-    def note_updates(self, step: int, transformer) -> bool:
+    def note_updates(self, step: int, transformer: torch.nn.Module) -> bool:
         """After step `step`: note whether its update was applied, report skips, and stop the run (TrainingDiverged,
         on every rank alike, after `close_run`) after --max_consecutive_skips skips in a row. `transformer`: the
         trained model (the divergence message reads its largest LoRA value). Returns whether the step ended
@@ -248,7 +248,7 @@ class Lifeboat:
             raise TrainingDiverged(message)
         return stepper.consecutive_skips > 0
 
-    def divergence_message(self, step: int, transformer) -> str:
+    def divergence_message(self, step: int, transformer: torch.nn.Module) -> str:
         """What diverged, where the weights came from and which checkpoint + change to resume with. Collective."""
         args, stepper, update = self.args, self.stepper, self.last_update_step
         largest = torch.zeros((), dtype=torch.float64)

@@ -159,7 +159,7 @@ class GradStepper:
     last_skip_reason: str = ""
     _finite: torch.Tensor | None = field(default=None, repr=False)  # all losses since the last step finite (device)
     _batch_problem: str = field(default="", repr=False)
-    on_loss: Callable[[], None] | None = field(default=None, repr=False)  # `ProfileWindow.tick` while profiling
+    on_backward: Callable[[], None] | None = field(default=None, repr=False)  # `ProfileWindow.tick` while profiling
 
     def reject_batch(self, reason: str) -> None:
         """The current rollout batch cannot be trained on (`reason`, e.g. non-finite samples): every `step` until
@@ -169,10 +169,10 @@ class GradStepper:
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` for one micro-step of the update, and-ing ``isfinite(loss)`` into the device flag that
-        `step` reads (no host read here). `on_loss`, when set, is called first (the profiler window counts the
+        `step` reads (no host read here). `on_backward`, when set, is called first (the profiler window counts the
         update's micro-steps by it)."""
-        if self.on_loss is not None:
-            self.on_loss()
+        if self.on_backward is not None:
+            self.on_backward()
         finite = torch.isfinite(loss.detach())
         self._finite = finite if self._finite is None else self._finite & finite
         loss.backward()

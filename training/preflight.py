@@ -194,7 +194,7 @@ def check_datasets(args, world: int, *, guided: bool) -> list[str]:
         if not path:
             continue
         try:
-            data = PromptDataset(path, guidance=guided, data_sources=rewards.REWARD_NAMES)
+            data = PromptDataset(path, guidance=guided, data_sources=tuple(rewards.REWARDS))
         except (DatasetError, FileNotFoundError) as e:
             raise PreflightError(f"--{flag}: {e}") from None
         if flag == "train_files" and len(data) < args.train_batch_size:

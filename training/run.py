@@ -100,12 +100,12 @@ class Run:
                 self.lifeboat.stop_if_asked(step - 1, self.started_at)
                 if profiling and step == args.profile_step:
                     window.start()
-                    self.stepper.on_loss = window.tick
+                    self.stepper.on_backward = window.tick
                 try:
                     yield step
                 finally:
                     if window.recording:
-                        self.stepper.on_loss = None
+                        self.stepper.on_backward = None
                         window.stop()
         if self.rank == 0 and args.total_training_steps > self.start_step:  # the last step's tail is done
             print(run_summary(self.start_step + 1, args.total_training_steps, time.monotonic() - self.started_at,
