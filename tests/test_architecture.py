@@ -199,6 +199,24 @@ def test_the_rollout_layers_import_only_lower_layers():
     assert graph["engines.profiler"] == set()
 
 
+def test_the_lower_layers_never_import_the_upper_ones():
+    """The picture of docs/ARCHITECTURE.md below the trainers: models/, reward_models/, losses and rewards import
+    neither training/, the trainers, rollout nor engines/; data_prep/dataset.py (the loader training/ reads) imports
+    no project module; data_prep's converters may import models and rewards, but nothing below imports data_prep
+    except training/ reading the loader."""
+    graph = import_graph(REPO)
+    upper = ("training", "train_nft", "train_dppo", "rollout", "engines")
+    lower = [m for m in graph if m.split(".")[0] in ("models", "reward_models", "losses", "rewards")]
+    assert lower
+    upward = sorted((m, t) for m in lower for t in graph[m] if t.split(".")[0] in upper)
+    assert upward == [], f"lower layers import upper ones: {upward}"
+    assert graph["data_prep.dataset"] == set()
+    into_data_prep = sorted((m, t) for m, targets in graph.items() for t in targets
+                            if t.split(".")[0] == "data_prep" and m.split(".")[0] != "data_prep"
+                            and t != "data_prep.dataset")
+    assert into_data_prep == [], f"modules outside data_prep import its converters: {into_data_prep}"
+
+
 def test_the_checker_finds_a_cycle(tmp_path):
     """A synthetic tree: a -> pkg.b (inside a function) -> pkg.c (relative) -> a, next to an acyclic part."""
     (tmp_path / "a.py").write_text("import os\n\ndef f():\n    from pkg.b import g\n    return g\n")

@@ -871,3 +871,21 @@ def test_a_new_reward_is_one_table_entry_the_scorer_reads_everywhere(monkeypatch
         weighted.score_batch(images[:1], ["ignored"], ["jpeg_compressibility"], [{}])
     with pytest.raises(ValueError, match="names no reward; known: .*'const'"):
         scorer.score_batch(images[:1], ["x"], ["unknown_reward"])
+
+
+def test_every_reward_entry_names_methods_the_scorer_has_and_a_subclass_can_override():
+    """REWARDS holds method names (resolved on the scorer, so a subclass's override is the one called): a typo in
+    an entry fails here, not at a run's first score."""
+    for name, entry in R.REWARDS.items():
+        assert callable(getattr(R.RewardScorer, entry.score, None)), (name, entry.score)
+        assert entry.model is None or callable(getattr(R.RewardScorer, entry.model, None)), (name, entry.model)
+
+    class HalfJpeg(R.RewardScorer):
+        def score_jpeg_compressibility(self, images, gts, samples=None):
+            scores, extras, texts = super().score_jpeg_compressibility(images, gts, samples)
+            return scores / 2, extras, texts
+
+    images = [torch.zeros(3, 8, 8, dtype=torch.uint8)]
+    plain = R.RewardScorer().score_batch(images, [""], ["jpeg_compressibility"]).rewards
+    halved = HalfJpeg().score_batch(images, [""], ["jpeg_compressibility"]).rewards
+    torch.testing.assert_close(halved, plain / 2)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -19,14 +18,9 @@ from .data import HELDOUT_TEMPLATES, RENDER_VERSION, TRAIN_TEMPLATES
 from .nets import (adaln_zero_init, build_vae, causal_convs, is_frame_conv, params_finite, transformer_config,
                    vae_config)
 from .ocr_pool import CpuPool
+from training.resume_policy import sha256_file  # noqa: E402  (the repo root is on sys.path: .common)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
