@@ -146,7 +146,6 @@ class QwenImageModel(FlowModel):
         "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
     )
     lora_block_prefixes = ("transformer_blocks",)
-    vae_scale_factor = 8  # the released VAE's; set from vae/config.json on load (`vae_scale_factor_of`)
     cfg_argument = "true_cfg_scale"  # the pipelines' keyword (and user flag) for the CFG scale
     default_negative_prompt = " "  # the released pipeline's default negative prompt (one space)
     supports_reference_images = False  # text-to-image only

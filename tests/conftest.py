@@ -80,7 +80,8 @@ def one_process_group():
 
 @pytest.fixture
 def trained_checkpoint(tmp_path):
-    """Run 5 steps, saving after step 3; return (root, losses of steps 4-5, final adapters, final optimizer)."""
+    """Run 5 steps, saving after step 3; return (root, the data, losses of steps 4-5, final adapters, final
+    optimizer)."""
     import training as T
     from training.distributed import seed_everything
     from _training_helpers import fresh_run, save_state, train_step, full_params

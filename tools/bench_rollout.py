@@ -53,9 +53,8 @@ for path in (REPO, os.path.join(REPO, "tools")):
 
 import build_tiny_models  # noqa: E402
 import rollout  # noqa: E402
-from models import family_class  # noqa: E402
+from models import FAMILY_NAMES, family_class  # noqa: E402
 
-FAMILIES = ("qwen_image", "boogu_image")
 
 # OCR-style prompts (written for this benchmark; the same kind and length as Flow-GRPO's OCR split: 30-60 tokens).
 PROMPTS = [
@@ -313,7 +312,7 @@ def report(rows: list[dict[str, Any]], args) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--families", nargs="+", default=list(FAMILY_NAMES), choices=FAMILY_NAMES)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
                    help="model dtype (default bfloat16 on cuda, float32 on cpu)")

@@ -115,7 +115,7 @@ class Run:
         """The state of finished step `step`, gathered to rank 0 (`gather_checkpoint`); what the lifeboat saves.
         Collective."""
         return gather_checkpoint(step, transformer=self.model.transformer, optimizer=self.optimizer,
-                                 lora_config=self.lora_config, config=self.ckpt_config or self.config,
+                                 lora_config=self.lora_config, config=self.ckpt_config,
                                  sampler=self.sampler, adapter_names=self.adapter_names,
                                  trainer_state={"grad_stepper": self.stepper.state_dict(),
                                                 "last_update_step": self.lifeboat.last_update_step,
