@@ -10,7 +10,8 @@ Input: `<input_dir>/{train,test}.txt`, one Flow-GRPO OCR prompt per line. Output
     ability          "ocr"
     reward_model     {"style": "model", "ground_truth": the first double-quoted span (bare target text)}
     extra_info       {"split", "index" (line position in the input file)}
-The two chats come from the family class (`FlowModel.ocr_chats`):
+Both chats are the family's released layout (`FlowModel.released_chat`) of the line and of the family's default
+negative prompt:
     qwen_image   prompt [QWEN_IMAGE_SYSTEM_PROMPT, line], negative [QWEN_IMAGE_SYSTEM_PROMPT, " "] (one space), as
                  verl-omni's qwenimage_ocr.py
     boogu_image  prompt [BOOGU_T2I_SYSTEM_PROMPT, line], negative [BOOGU_TI2I_SYSTEM_PROMPT, ""]
@@ -36,11 +37,11 @@ from models import FAMILY_NAMES, family_class
 
 def make_row(line: str, target: str, split: str, index: int, *, model: str) -> dict:
     """The parquet row of one OCR prompt `line` (its quoted `target`) for the model family `model`."""
-    prompt, negative = family_class(model).ocr_chats(line)
+    cls = family_class(model)
     return {
         "data_source": "ocr",
-        "prompt": prompt,
-        "negative_prompt": negative,
+        "prompt": cls.released_chat(line),
+        "negative_prompt": cls.released_chat(cls.default_negative_prompt),
         "ability": "ocr",
         "reward_model": {"style": "model", "ground_truth": target},
         "extra_info": {"split": split, "index": index},

@@ -243,9 +243,10 @@ class FlowModel:
         raise ValueError(f"{cls.family or cls.__name__}: the vllm_omni engine takes no message prompts for this model")
 
     @classmethod
-    def ocr_chats(cls, line: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-        """(prompt, negative_prompt) chat-message lists of one Flow-GRPO OCR prompt line (data_prep/ocr.py)."""
-        raise NotImplementedError(f"{cls.family or cls.__name__}: no OCR data layout")
+    def released_chat(cls, text: str) -> list[dict[str, str]]:
+        """The [system, user] chat the released pipeline encodes for the text prompt `text` (no reference image):
+        data_prep's rows store prompts and negatives this way; `vllm_omni_text` is its inverse."""
+        raise NotImplementedError(f"{cls.family or cls.__name__}: no released chat layout")
 
     @property
     def blocks_to_compile(self) -> tuple[str, ...]:

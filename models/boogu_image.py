@@ -203,11 +203,11 @@ class BooguImageModel(FlowModel):
         return text
 
     @classmethod
-    def ocr_chats(cls, line: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-        """[BOOGU_T2I_SYSTEM_PROMPT, the line] and the negative [BOOGU_TI2I_SYSTEM_PROMPT, ""]. The negative uses the
-        TI2I system prompt ON PURPOSE: the released pipeline encodes every empty instruction, including the default
-        negative "", with it (`boogu_system_prompt`). Do not "fix" it."""
-        return chat_messages(BOOGU_T2I_SYSTEM_PROMPT, line), chat_messages(BOOGU_TI2I_SYSTEM_PROMPT, "")
+    def released_chat(cls, text: str) -> list[dict[str, str]]:
+        """[system by `boogu_system_prompt`, text]: BOOGU_T2I_SYSTEM_PROMPT for a non-empty text, and
+        BOOGU_TI2I_SYSTEM_PROMPT for the default negative "" ON PURPOSE: the released pipeline encodes every empty
+        instruction with it. Do not "fix" it."""
+        return chat_messages(boogu_system_prompt(text, has_image=False), text)
 
     def __init__(self, *, transformer: nn.Module, text_encoder: nn.Module, processor: Any, vae: nn.Module,
                  scheduler_config: dict[str, Any], device: Union[torch.device, str] = "cpu",

@@ -176,10 +176,10 @@ class QwenImageModel(FlowModel):
         return user
 
     @classmethod
-    def ocr_chats(cls, line: str) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-        """verl-omni's qwenimage_ocr.py layout: [QWEN_IMAGE_SYSTEM_PROMPT, the line] and the negative
-        [QWEN_IMAGE_SYSTEM_PROMPT, " "] (one space)."""
-        return chat_messages(QWEN_IMAGE_SYSTEM_PROMPT, line), chat_messages(QWEN_IMAGE_SYSTEM_PROMPT, " ")
+    def released_chat(cls, text: str) -> list[dict[str, str]]:
+        """[QWEN_IMAGE_SYSTEM_PROMPT, text]: the pipeline's one system prompt (verl-omni's qwenimage_ocr.py rows:
+        the prompt line, and the negative " " with the same system prompt)."""
+        return chat_messages(QWEN_IMAGE_SYSTEM_PROMPT, text)
 
     def __init__(
         self,

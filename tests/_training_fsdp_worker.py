@@ -142,8 +142,23 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         failed_save = f"{type(e).__name__}: {e}"
     T.checkpoint.save_adapter_dir = real_writer
+    # on_rank0: a shared result reaches both ranks; share=False keeps an unpicklable one (a lock) on rank 0
+    import threading
+
+    from training.distributed import on_rank0
+    shared = on_rank0(lambda: {"from": 0}, catch=(ValueError,), exc_type=ValueError)
+    kept = on_rank0(threading.Lock, catch=(ValueError,), exc_type=ValueError, share=False)
+
+    def refuse():
+        raise OSError("lock held (simulated)")
+    try:
+        on_rank0(refuse, catch=(OSError,), exc_type=RuntimeError, share=False)
+        refused = "no error"
+    except RuntimeError as e:
+        refused = f"RuntimeError: {e}"
 
     result = {
+        "on_rank0": [shared, type(kept).__name__ if kept is not None else None, refused],
         "rank": info.rank,
         "gathered": gathered.tolist(),
         "key_mismatch": key_mismatch,

@@ -47,6 +47,27 @@ def test_each_family_class_carries_what_the_code_asks_a_family(tiny_models):
         family_class("flux")
 
 
+
+def test_released_chat_is_each_pipelines_layout_and_vllm_omni_text_inverts_it():
+    """The [system, user] chat each released pipeline encodes for a text: Qwen-Image one system prompt; Boogu the
+    T2I prompt for a text and the TI2I prompt for the empty default negative (the upstream quirk, kept)."""
+    from models import family_class
+    from models.boogu_image import BOOGU_T2I_SYSTEM_PROMPT, BOOGU_TI2I_SYSTEM_PROMPT
+    from models.qwen_image import QWEN_IMAGE_SYSTEM_PROMPT
+
+    qwen, boogu = family_class("qwen_image"), family_class("boogu_image")
+    assert qwen.released_chat('a sign that says "hi"') == [
+        {"role": "system", "content": QWEN_IMAGE_SYSTEM_PROMPT}, {"role": "user", "content": 'a sign that says "hi"'}]
+    assert qwen.released_chat(qwen.default_negative_prompt)[0]["content"] == QWEN_IMAGE_SYSTEM_PROMPT
+    assert boogu.released_chat("a cat") == [
+        {"role": "system", "content": BOOGU_T2I_SYSTEM_PROMPT}, {"role": "user", "content": "a cat"}]
+    assert boogu.released_chat(boogu.default_negative_prompt) == [
+        {"role": "system", "content": BOOGU_TI2I_SYSTEM_PROMPT}, {"role": "user", "content": ""}]
+    for cls in (qwen, boogu):
+        for text in ("a cat", 'the word "OPEN"', cls.default_negative_prompt):
+            system, user = (m["content"] for m in cls.released_chat(text))
+            assert cls.vllm_omni_text(system, user) == text
+
 def test_unknown_class_name_raises(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
     with pytest.raises(ValueError, match="StableDiffusion3Pipeline"):

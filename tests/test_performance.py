@@ -6,27 +6,22 @@ MFU / memory metrics and the DiffusionNFT CFG flags. CPU, tiny models, seconds."
 from __future__ import annotations
 
 import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-import training as T  # noqa: E402
-from training.flags import resolve_cfg_scale  # noqa: E402
-from training.model import (adapter_params, add_lora_adapters, apply_activation_checkpointing,  # noqa: E402
+import training as T
+from training.flags import resolve_cfg_scale
+from training.model import (adapter_params, add_lora_adapters, apply_activation_checkpointing,
                             base_weight_dtype, cast_frozen_base_, checkpointed_block_indices, full_tensor,
                             load_flow_model, prepare_transformer, shard_transformer)
-from training.optim import GradStepper, build_optimizer  # noqa: E402
-from training.perf import (PEAK_TFLOPS_ENV, device_peak_flops, phase_perf_metrics, rollout_device_count,  # noqa: E402
+from training.optim import GradStepper, build_optimizer
+from training.perf import (PEAK_TFLOPS_ENV, device_peak_flops, phase_perf_metrics, rollout_device_count,
                            transformer_flops)
-from models import lora  # noqa: E402
-from models.base import BLOCK_GRAPH_LIMIT, compile_blocks, transformer_blocks  # noqa: E402
-from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
+from models import lora
+from models.base import BLOCK_GRAPH_LIMIT, compile_blocks, transformer_blocks
+from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer
 
 torch.set_num_threads(1)
 

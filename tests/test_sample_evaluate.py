@@ -23,7 +23,6 @@ import torch
 from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 from test_trainers import cli, run_trainer, scalars, val_grid  # noqa: E402
 

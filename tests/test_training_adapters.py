@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-from training.adapters import clean_rollout_adapters, prune_rollout_adapters  # noqa: E402
+from training.adapters import clean_rollout_adapters, prune_rollout_adapters
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
 from training.checkpoint import (CHECKPOINT_FORMAT, find_latest, load_checkpoint, save_checkpoint,  # noqa: E402

@@ -17,21 +17,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-import training as T  # noqa: E402
-from training.adapters import load_init_adapter, resolve_adapter_dir  # noqa: E402
-from training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from training.console import tee_console  # noqa: E402
-from training.model import (adapter_params, adapter_state_dict, add_lora_adapters, save_adapter_dir,  # noqa: E402
+import training as T
+from training.adapters import load_init_adapter, resolve_adapter_dir
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.console import tee_console
+from training.model import (adapter_params, adapter_state_dict, add_lora_adapters, save_adapter_dir,
                             shard_transformer)
-from training.optim import (build_lr_scheduler, build_optimizer, load_lr_scheduler_state_, lr_multiplier,  # noqa: E402
+from training.optim import (build_lr_scheduler, build_optimizer, load_lr_scheduler_state_, lr_multiplier,
                             lr_scheduler_state)
-from training.run import Run  # noqa: E402
-from models import lora  # noqa: E402
-from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer  # noqa: E402
+from training.run import Run
+from models import lora
+from _tiny_lora import BLOCK_PREFIXES, TARGETS, TinyFlowTransformer
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # a 1-process gloo group (tests/conftest.py)
 

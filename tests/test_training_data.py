@@ -4,18 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-import training as T  # noqa: E402
-from training.data import PromptSampler, mini_batches  # noqa: E402
+import training as T
+from training.data import PromptSampler, mini_batches
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
 from training.distributed import (all_gather_cat, get_rank, get_world_size, is_local_main_process,  # noqa: E402
@@ -90,6 +89,8 @@ def test_fsdp2_lora_two_ranks(tmp_path):
     assert r0["failed_save"] == "OSError: disk full (simulated on rank 0)"
     assert r1["failed_save"].startswith("CheckpointError") and "rank 0" in r1["failed_save"]
     assert not r0["step9_exists"] and not r1["step9_exists"]
+    assert r0["on_rank0"][:2] == [{"from": 0}, "lock"] and r1["on_rank0"][:2] == [{"from": 0}, None]
+    assert r0["on_rank0"][2] == r1["on_rank0"][2] == "RuntimeError: OSError: lock held (simulated)"
     assert all(s["actor/rank"] == 0.5 for s in r0["steps"])  # mean over ranks of 0 and 1
     # the unused LoRA (blocks.2.ff) has no Adam state; the checkpoint round trip keeps exactly that
     assert r0["params_with_state"] == r1["params_with_state"] == [10, 10, 12]

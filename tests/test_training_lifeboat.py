@@ -7,20 +7,14 @@ are in tests/test_lifecycle.py and tests/test_resume_faults.py (slow)."""
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-import training.lifeboat as lifeboat_module  # noqa: E402
-from training.checkpoint import CheckpointError  # noqa: E402
-from training.lifeboat import Lifeboat, TrainingDiverged  # noqa: E402
+import training.lifeboat as lifeboat_module
+from training.checkpoint import CheckpointError, step_dir
+from training.lifeboat import Lifeboat, TrainingDiverged
 
 
 def make_boat(tmp_path, monkeypatch, **flags):
@@ -35,11 +29,11 @@ def make_boat(tmp_path, monkeypatch, **flags):
 
     def save(root, gathered, keep_last=None):
         written.append(("save", gathered.step))
-        return os.path.join(root, f"step_{gathered.step:08d}")
+        return step_dir(root, gathered.step)
 
     def write(root, gathered, keep_last=None):
         written.append(("at_once", gathered.step))
-        return os.path.join(root, f"step_{gathered.step:08d}")
+        return step_dir(root, gathered.step)
 
     monkeypatch.setattr(lifeboat_module, "save_gathered", save)
     monkeypatch.setattr(lifeboat_module, "write_checkpoint", write)

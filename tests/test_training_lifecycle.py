@@ -4,15 +4,10 @@ the same request). The run lock, the watchdog and whole-trainer stops are in tes
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-from training.lifecycle import StopSignals  # noqa: E402
+from training.lifecycle import StopSignals
 
 
 # ---------------------------------------------------------------------------------------------------------------

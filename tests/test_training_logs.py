@@ -17,7 +17,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
 
 import training as T  # noqa: E402
 from training.logs import (Progress, TensorBoardLogger, reward_metrics, rollout_grid, sample_caption,  # noqa: E402

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-import training as T  # noqa: E402
-from training.model import (adapter_params, add_lora_adapters, apply_activation_checkpointing,  # noqa: E402
+import training as T
+from training.model import (adapter_params, add_lora_adapters, apply_activation_checkpointing,
                             full_tensor, mixed_precision_policy, prepare_transformer, shard_transformer)
-from training.optim import GradStepper, build_optimizer  # noqa: E402
-from models import lora  # noqa: E402
-from models.base import transformer_blocks  # noqa: E402
-from _tiny_lora import BLOCK_PREFIXES, TinyFlowTransformer  # noqa: E402
-from _training_helpers import full_params, make_model  # noqa: E402
+from training.optim import GradStepper, build_optimizer
+from models import lora
+from models.base import transformer_blocks
+from _tiny_lora import BLOCK_PREFIXES, TinyFlowTransformer
+from _training_helpers import full_params, make_model
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # a 1-process gloo group (tests/conftest.py)
 

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-import training as T  # noqa: E402
-from training.model import adapter_params, full_tensor  # noqa: E402
-from training.optim import GradStepper, build_optimizer, ema_adapter_  # noqa: E402
-from models import lora  # noqa: E402
-from _training_helpers import full_params, make_model  # noqa: E402
+import training as T
+from training.model import adapter_params, full_tensor
+from training.optim import GradStepper, build_optimizer, ema_adapter_
+from models import lora
+from _training_helpers import full_params, make_model
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # a 1-process gloo group (tests/conftest.py)
 

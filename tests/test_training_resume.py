@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, HERE]
-
-import training as T  # noqa: E402
-from training.checkpoint import find_latest, load_checkpoint  # noqa: E402
-from training.resume import prepare_resume  # noqa: E402
-from training.resume_policy import (RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, config_fingerprint,  # noqa: E402
+import training as T
+from training.checkpoint import find_latest, load_checkpoint
+from training.resume import prepare_resume
+from training.resume_policy import (RESUME_BLOCKING, RESUME_LOGGED, RESUME_PATHS, config_fingerprint,
                                     content_fingerprints)
-from _training_helpers import CONFIG, fresh_run, save_state, train_step  # noqa: E402
+from _training_helpers import CONFIG, fresh_run, save_state, train_step
 
 pytestmark = pytest.mark.usefixtures("one_process_group")  # a 1-process gloo group (tests/conftest.py)
 
@@ -160,6 +155,9 @@ def test_same_size_corruption_is_caught_and_names_the_previous_checkpoint(tmp_pa
     moved = [m for m in plan.messages if "step_00000004" in m]
     assert moved and os.path.isdir(os.path.join(moved[0].split(" aside to ")[1], "step_00000004"))
     assert find_latest(root) == previous
+    with pytest.raises(T.CheckpointError) as e:  # a --resume folder that does not exist names the ones that do
+        prepare_resume(os.path.join(root, "step_00000003"), root, CONFIG, adapter_names=("default", "old"))
+    assert "no such checkpoint directory" in str(e.value) and str([previous]) in str(e.value)
 
 
 

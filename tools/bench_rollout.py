@@ -25,12 +25,14 @@ the same run: the same sequential rollout repeated (kernel determinism) and the 
 half-size chunks (how much merely changing the batch shape moves the numbers). The run exits 1 if the velocity
 difference exceeds --max-velocity-rel-diff.
 
-Cost estimate at the defaults (printed per family from the built configs): Qwen-Image 8 layers (2.75B) ~5.9 TFLOP
-per sample-forward at 1024 image + ~36 text tokens, x 16 samples x 2 branches x 10 steps = ~1.9 PFLOP per rollout;
-Boogu 2 double + 6 single + 1 refiner each (2.48B) ~5.6 TFLOP per sample-forward (~62 instruction tokens), ~1.8
-PFLOP per rollout. About 10 rollout-equivalents per family (2 warm-ups, 6 timed, 1 split-batch floor, ~12 velocity
-calls) = ~37 PFLOP in total: ~1.5 min at 400 TFLOP/s effective bf16 on an H200 (~3 min at 200), plus ~1 min of
-imports, building and loading (each ~5 GB bf16 transformer is written and read once).
+Cost estimate at the defaults (printed per family; the models' own FLOP formula, `FlowModel.forward_flops`, from
+the built configs and each prompt's token count): Qwen-Image 8 layers (2.75B) ~2.0 TFLOP per sample-forward at 1024
+image + ~34 text tokens (each token meets only its own stream's weights, about half the parameters), ~64 TFLOP per
+CFG velocity of 16 samples (the negative ~6 tokens), ~0.64 PFLOP per 10-step rollout; Boogu 2 double + 6 single + 1
+refiner each (2.48B) ~3.6 TFLOP per sample-forward (~60 instruction tokens, the negative's system prompt ~66),
+~1.1 PFLOP per rollout. About 10 rollout-equivalents per family (2 warm-ups, 6 timed, 1 split-batch floor, ~12
+velocity calls) = ~18 PFLOP in total: ~45 s at 400 TFLOP/s effective bf16 on an H200 (~1.5 min at 200), plus ~1 min
+of imports, building and loading (each ~5 GB bf16 transformer is written and read once).
 """
 
 from __future__ import annotations
@@ -128,24 +130,6 @@ def build_checkpoint(family: str, out_dir: str, args, device: torch.device, dtyp
     return path
 
 
-def linear_params(module: torch.nn.Module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
-
-
-def forward_tflop(model, image_tokens: int, text_tokens: int) -> float:
-    """Rough TFLOP of one transformer forward for one sample: 2 x linear weights x tokens + attention
-    (4 x tokens^2 x width per attention layer)."""
-    transformer = model.transformer
-    tokens = image_tokens + text_tokens
-    if model.family == "qwen_image":
-        width = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-        attn_layers = transformer.config.num_layers
-    else:
-        width = transformer.config.hidden_size
-        attn_layers = 2 * transformer.config.num_double_stream_layers + transformer.config.num_layers
-    return (2 * linear_params(transformer) * tokens + 4 * attn_layers * tokens**2 * width) / 1e12
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,9 +191,11 @@ def bench_family(family: str, path: str, args, device: torch.device, dtype: torc
         latents = model.prepare_noise(args.height, args.width, generators).to(device)
         sigma = model.schedule(args.steps, args.height, args.width)[min(1, args.steps - 1)].expand(args.batch)
         size = dict(height=args.height, width=args.width)
-        text_tokens = int(prompt.mask.sum(1).float().mean().item())
         image_tokens = (args.height // 16) * (args.width // 16)
-        tflop = forward_tflop(model, image_tokens, text_tokens)
+        text_tokens = prompt.mask.sum(1).tolist()  # valid tokens of each prompt
+        # one CFG velocity = a forward of each branch (the model's FLOP formula: matmuls, 2 per multiply-add)
+        velocity_tflop = (model.forward_flops(image_tokens, text_tokens)
+                          + model.forward_flops(image_tokens, negative.mask.sum(1).tolist())) / 1e12
 
         def velocity(mode: bool) -> torch.Tensor:
             model.cfg_batch = mode
@@ -261,9 +247,10 @@ def bench_family(family: str, path: str, args, device: torch.device, dtype: torc
         "floor_split": None if split is None else rel_diff(split.latents_clean, seq.latents_clean),
         "metadata_cfg_batch": (seq.metadata["cfg_batch"], bat.metadata["cfg_batch"]),
     }
-    rollout_tflop = tflop * args.batch * 2 * args.steps
     return dict(family=family, load_s=load_s, times=times, vel_times=vel_times, peaks=peaks, agreement=agreement,
-                tflop_per_forward=tflop, rollout_tflop=rollout_tflop, text_tokens=text_tokens,
+                tflop_per_forward=model.forward_flops(image_tokens, text_tokens) / len(text_tokens) / 1e12,
+                velocity_tflop=velocity_tflop, rollout_tflop=velocity_tflop * args.steps,
+                text_tokens=round(sum(text_tokens) / len(text_tokens)),
                 image_tokens=image_tokens, params=sum(p.numel() for p in model.transformer.parameters()))
 
 
@@ -289,7 +276,7 @@ def report(rows: list[dict[str, Any]], args) -> bool:
                     flops = row["rollout_tflop"] / median
                     peak = row["peaks"][mode]
                 else:
-                    rate, flops, peak = f"{'':>7}", row["tflop_per_forward"] * args.batch * 2 / median, None
+                    rate, flops, peak = f"{'':>7}", row["velocity_tflop"] / median, None
                 print(f"{row['family']:<12} {what:<16} {'batched' if mode else 'sequential':<11} {median:9.4f} "
                       f"{min(times[mode]):8.4f} {base / median:6.3f} {rate} {flops:8.1f} "
                       f"{'' if peak is None else f'{peak:8.2f}'}")

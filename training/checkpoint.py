@@ -51,7 +51,7 @@ __all__ = [
     "earlier_verified_checkpoint", "earlier_adapter_advice", "MARKER",
     "CHECKPOINT_FORMAT", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
     "GatheredState", "gather_checkpoint", "write_checkpoint", "save_gathered",
-    "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config",
+    "step_dir", "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config",
     "load_checkpoint",
 ]
 
@@ -69,6 +69,12 @@ def read_adapter_dir(path: str, *, manifest: bool = True) -> dict[str, torch.Ten
 
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    """`<root>/step_XXXXXXXX`: the checkpoint directory of `step` (eight digits, so names sort by step)."""
+    return os.path.join(root, f"step_{step:08d}")
+
 MARKER = "COMPLETE"
 CHECKPOINT_FORMAT = 2  # 2: sha256 per file in the manifest, weights_only-loadable rng.pt (1: sizes only, numpy pickles)
 
@@ -241,7 +247,7 @@ def earlier_verified_checkpoint(path: str) -> str | None:
     for step in reversed(complete_steps(root)):
         if below is not None and step >= below:
             continue
-        candidate = os.path.join(root, f"step_{step:08d}")
+        candidate = step_dir(root, step)
         try:
             verify_checkpoint(candidate)
         except CheckpointError:
@@ -361,7 +367,7 @@ def write_checkpoint(root: str, gathered: GatheredState, *, keep_last: int | Non
     poisoned), write `gathered` into a temp directory, fsync, write the COMPLETE manifest (size + sha256 per file)
     last and rename the directory into place, so `root` never holds a half-written step directory; then delete
     older complete checkpoints beyond `keep_last`. Returns the step directory."""
-    final = os.path.join(root, f"step_{gathered.step:08d}")
+    final = step_dir(root, gathered.step)
     bad = _nonfinite_report(gathered.adapters, gathered.optim_state)
     if bad:
         raise CheckpointError(
@@ -372,7 +378,7 @@ def write_checkpoint(root: str, gathered: GatheredState, *, keep_last: int | Non
                           gathered.rng_states)
     if keep_last is not None and keep_last > 0:
         for old_step in [s for s in complete_steps(root) if s != gathered.step][:-(keep_last - 1) or None]:
-            shutil.rmtree(os.path.join(root, f"step_{old_step:08d}"), ignore_errors=True)
+            shutil.rmtree(step_dir(root, old_step), ignore_errors=True)
     return final
 
 
@@ -387,7 +393,7 @@ def save_checkpoint(root: str, step: int, *, keep_last: int | None = None, **sta
 
 def save_gathered(root: str, gathered: GatheredState, *, keep_last: int | None = None) -> str:
     """`write_checkpoint` on rank 0, its error raised on every rank. Collective; returns the step directory."""
-    final = os.path.join(root, f"step_{gathered.step:08d}")
+    final = step_dir(root, gathered.step)
     error: BaseException | None = None
     if get_rank() == 0:
         try:
@@ -477,7 +483,7 @@ def find_latest(root: str) -> str | None:
             f"{root} holds checkpoint directories {incomplete} but none is complete (no {MARKER} marker); refusing to "
             f"start fresh. Remove them, or pass --resume never (they are moved aside) or another --output_dir."
         )
-    return os.path.join(root, f"step_{complete[-1]:08d}") if complete else None
+    return step_dir(root, complete[-1]) if complete else None
 
 
 def verify_checkpoint(path: str, *, sha256: bool = True, only: str | None = None,

@@ -50,13 +50,17 @@ def raise_if_any_rank_failed(error: BaseException | None, what: str, *, exc_type
         raise exc_type(f"{what} failed on rank {rank}: {message}")
 
 
-def on_rank0(fn: Callable[[], Any], *, catch: tuple[type, ...], exc_type: type, what: str = "") -> Any:
-    """`fn()` on rank 0 only, its result given to every rank (one broadcast). An exception of a `catch` type there
+def on_rank0(fn: Callable[[], Any], *, catch: tuple[type, ...], exc_type: type, what: str = "",
+             share: bool = True) -> Any:
+    """`fn()` on rank 0 only, its result given to every rank (one broadcast; with share=False the result stays on
+    rank 0, e.g. an object that holds a file, and the other ranks get None). An exception of a `catch` type there
     is raised as `exc_type` on every rank (message prefixed by `what`), so no rank waits in a later collective."""
     payload: tuple[str, Any] | None = None
+    result = None
     if get_rank() == 0:
         try:
-            payload = ("ok", fn())
+            result = fn()
+            payload = ("ok", result if share else None)
         except catch as e:
             payload = ("error", what + (str(e) if isinstance(e, exc_type) else f"{type(e).__name__}: {e}"))
     if dist.is_initialized() and get_world_size() > 1:
@@ -65,7 +69,7 @@ def on_rank0(fn: Callable[[], Any], *, catch: tuple[type, ...], exc_type: type, 
         payload = box[0]
     if payload[0] == "error":
         raise exc_type(payload[1])
-    return payload[1]
+    return payload[1] if share else result
 
 
 def collective_timeout_s(args: Any) -> float:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointError, GatheredState, complete_steps, find_latest, save_gathered,
+from .checkpoint import (CheckpointError, GatheredState, complete_steps, step_dir, find_latest, save_gathered,
                          write_checkpoint)
 from .lifecycle import RunLock, StopSignals, say_from_thread
 from .model import ADAPTER_DEFAULT, adapter_params
@@ -271,7 +271,7 @@ class Lifeboat:
         earlier = None
         if self.rank == 0 and os.path.isdir(self.ckpt_root):
             older = [s for s in complete_steps(self.ckpt_root) if s < update]
-            earlier = os.path.join(self.ckpt_root, f"step_{older[-1]:08d}") if older else None
+            earlier = step_dir(self.ckpt_root, older[-1]) if older else None
         smaller = f"{args.lr / 10:g}"
         if earlier:
             lines.append(f"Resume from the last checkpoint before it with a smaller learning rate: --resume {earlier} "

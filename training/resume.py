@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .checkpoint import (CheckpointError, complete_steps, load_tensors, checkpoint_on_rank0, read_trainer_state,
+from .checkpoint import (CheckpointError, complete_steps, step_dir, load_tensors, checkpoint_on_rank0, read_trainer_state,
                          step_dirs, check_resume_config, clean_orphans, earlier_verified_checkpoint, find_latest,
                          verify_checkpoint)
 from .model import ADAPTER_DEFAULT
@@ -65,7 +65,7 @@ def _prepare_resume_rank0(resume: str, ckpt_root: str, config: Mapping[str, Any]
         path = os.path.abspath(resume)
         if not os.path.isdir(path):
             raise CheckpointError(f"--resume {resume}: no such checkpoint directory (complete checkpoints under "
-                                  f"{ckpt_root}: {[f'step_{s:08d}' for s in complete_steps(ckpt_root)]})")
+                                  f"{ckpt_root}: {[step_dir(ckpt_root, s) for s in complete_steps(ckpt_root)]})")
     try:
         verify_checkpoint(path)
     except CheckpointError as e:

@@ -34,7 +34,7 @@ from .console import discard_console_log, tee_console
 from .logs import (Progress, TensorBoardLogger, WandbLogger, WandbSetupError, all_gather_objects, run_summary,
                    write_run_metadata)
 from .perf import perf_metrics
-from .flags import check_batch_sizes, parse_lora_init, resolve_device
+from .flags import parse_lora_init, resolve_device
 from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter
 from .validation import validate
 
@@ -243,7 +243,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     rollout = start_rollout_workers(args, model_path, device, group_timeout_s, start_step, rank)
     lifeboat = Lifeboat(args, rank=rank, world=world, device=device, start_step=start_step, stepper=stepper,
                         ckpt_root=os.path.join(args.output_dir, "checkpoints"), last_update_step=last_update_step,
-                        run_lock=run_lock if rank == 0 else None)
+                        run_lock=run_lock)
     run = Run(args=args, config=config, device=device, rank=rank, world=world, logger=logger, model=model,
               adapter_names=tuple(adapter_names), lora_config=lora_config,
               num_lora_modules=num_lora_modules, optimizer=optimizer, stepper=stepper, train_data=train_data,
@@ -297,7 +297,7 @@ def hold_output_dir(args, found: Mapping[str, Any], rank: int, world: int) -> Ru
     ranks = all_gather_objects({"host": socket.gethostname(), "pid": os.getpid()})
     try:
         run_lock = on_rank0(lambda: RunLock.acquire(args.output_dir, ranks=ranks), catch=(RunLockError, OSError),
-                            exc_type=RunLockError)
+                            exc_type=RunLockError, share=False)  # the lock's file stays with rank 0
     except RunLockError:
         discard_console_log()  # the folder's train.log is the live run's
         raise
@@ -373,14 +373,14 @@ def build_optimizer_and_schedule(args, model) -> tuple[torch.optim.Optimizer, Gr
 
 def load_data(args, rank: int, world: int) -> tuple[Any, Any, PromptSampler, int]:
     """The train and validation prompts (with negatives when CFG is on), this rank's shard of the resumable prompt
-    sampler, and the prompts per optimizer step, checked against the other batch sizes and the world size."""
+    sampler, and the prompts per optimizer step (the preflight checked them against the other batch sizes and the
+    world size: `preflight.check_flags`)."""
     from data_prep.dataset import PromptDataset
 
     train_data = PromptDataset(args.train_files, guidance=args.cfg_scale > 1.0)
     val_data = PromptDataset(args.val_files, guidance=args.cfg_scale > 1.0) if args.val_files else None
     sampler = PromptSampler(len(train_data), args.train_batch_size, seed=args.seed, rank=rank, world_size=world)
     mini_prompts = args.ppo_mini_batch_size or args.train_batch_size
-    check_batch_sizes(args.train_batch_size, mini_prompts, args.rollout_n, args.micro_batch_size, world)
     return train_data, val_data, sampler, mini_prompts
 
 

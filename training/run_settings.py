@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-from .checkpoint import MARKER, CheckpointError, complete_steps, read_trainer_state, verify_checkpoint
+from .checkpoint import MARKER, CheckpointError, complete_steps, read_trainer_state, step_dir, verify_checkpoint
 
 __all__ = ["verified_run_config", "run_settings", "explicit_flags", "set_defaults_from_checkpoint",
            "read_run_config", "CFG_FLAGS"]
@@ -26,12 +26,6 @@ def verified_run_config(ckpt: str) -> dict[str, Any]:
 
 
 CFG_FLAGS = ("guidance_scale", "true_cfg_scale")  # the flags that set the resolved "cfg_scale" of a run
-
-
-def _newest_complete(root: str) -> str | None:
-    """`<root>/step_XXXXXXXX` of the newest complete checkpoint under `root` (None when there is none)."""
-    steps = complete_steps(root)
-    return os.path.join(root, f"step_{steps[-1]:08d}") if steps else None
 
 
 def read_run_config(run_dir: str) -> dict[str, Any]:
@@ -54,7 +48,9 @@ def run_settings(run_dir: str, mapping: Mapping[str, str],
     Without a checkpoint that records settings, they come from run_metadata.json and the line says they are not
     verified. Model-free; raises ValueError / CheckpointError / FileNotFoundError naming the file and the fix."""
     meta_path = os.path.join(run_dir, "run_metadata.json")
-    ckpt = _newest_complete(os.path.join(run_dir, "checkpoints"))
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    steps = complete_steps(ckpt_root)  # the newest complete one (find_latest's warning and refusal are a resume's)
+    ckpt = step_dir(ckpt_root, steps[-1]) if steps else None
     verified = verified_run_config(ckpt) if ckpt else {}
     if not verified:
         reason = (f"checkpoint {ckpt} records no settings" if ckpt else

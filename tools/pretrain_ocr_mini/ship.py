@@ -207,11 +207,10 @@ def native_engine_images(pipeline_dir: str | Path, prompts: Sequence[str], seeds
     """uint8 (B, 3, size, size) from `rollout.NativeEngine` on a pipeline folder (loaded by models.load_model),
     with the parquet's chat-message form of each prompt and true CFG off, as the RL runs sample."""
     import rollout
-    from models.base import chat_messages
-    from models.qwen_image import QWEN_IMAGE_SYSTEM_PROMPT
+    from models.qwen_image import QwenImageModel
 
     engine = rollout.NativeEngine(str(pipeline_dir), device=device, dtype=torch.float32, max_batch_size=8)
-    request = rollout.RolloutRequest(prompts=[chat_messages(QWEN_IMAGE_SYSTEM_PROMPT, p) for p in prompts],
+    request = rollout.RolloutRequest(prompts=[QwenImageModel.released_chat(p) for p in prompts],
                                      seeds=list(seeds), num_inference_steps=steps, height=size, width=size,
                                      cfg_scale=1.0)
     return engine.generate(request).images
