@@ -1,8 +1,8 @@
 """The shared math of online RL for flow-matching image models: schedules, the SDE step, advantages, losses.
 
 Every function here is a pure function on tensors: no I/O, no model code, no hidden state; device- and
-dtype-agnostic (float64 inputs give float64 math, which the tests use for exact checks). Conventions follow
-`specs/algorithms.md` and verl-omni wherever the references disagree:
+dtype-agnostic (float64 inputs give float64 math, which the tests use for exact checks). Where the references
+(flow_grpo, DiffusionNFT, verl-omni) disagree, the conventions follow verl-omni:
 
 * sigma convention (diffusers / Qwen-Image): ``x_sigma = (1 - sigma) x0 + sigma eps``, sigma runs 1 (noise) -> 0
   (data), velocity ``v = eps - x0``, Euler step ``x' = x + (sigma' - sigma) v``. Boogu-Image runs its own time
@@ -10,8 +10,8 @@ dtype-agnostic (float64 inputs give float64 math, which the tests use for exact 
 * scheduler timesteps are ``1000 * sigma`` in float32; rollout and replay must build them bit-identically.
 * log-probs are MEANS over all non-batch dimensions (a per-element log density), shape ``(B,)``.
 
-The losses' metric dicts hold 0-dim detached tensors on the inputs' device under the spec's names (the trainers
-prefix ``actor/``): a loss reads nothing on the host, and a NaN/inf loss is returned as is (`training.GradStepper`
+The losses' metric dicts hold 0-dim detached tensors on the inputs' device under verl-omni's names (the trainers
+prefix ``actor/``; a ``_max`` / ``_min`` name is reduced as the extreme over micro-batches and ranks): a loss reads nothing on the host, and a NaN/inf loss is returned as is (`training.GradStepper`
 checks finiteness once per optimizer step). Argument checks raise ValueError where they cost no host read.
 """
 

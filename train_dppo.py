@@ -35,6 +35,7 @@ import torch
 
 import losses
 import training as T
+from engines.sampler import sde_window_starts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'sde' (Flow-GRPO; required for DPPO's add_kl_coefficient) or 'cps'")
     g.add_argument("--sde_window_size", type=int, default=None,
                    help="stochastic + trained steps per sample (default: all steps but the last)")
-    g.add_argument("--sde_window_range", default=None, help="'lo,hi': window start ~ UniformInt{lo..hi-w}")
+    g.add_argument("--sde_window_range", default=None,
+                   help="'lo,hi': window start ~ UniformInt{lo..hi-w} (with --sde_window_size only; unset: 0,5 as "
+                        "verl-omni)")
     g.add_argument("--kl_mask_threshold", type=float, default=1e-5, help="DPPO trust region on the mean-reduced KL")
     g.add_argument("--no_add_kl_coefficient", dest="add_kl_coefficient", action="store_false",
                    help="DPPO: divide the mean shift by 2 only, not by 2(std_dev_t·√-dt)²")
@@ -65,9 +68,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--model_path and --train_files are required (or $MODEL_PATH / $TRAIN_FILES)")
     if args.loss == "flow_dppo" and args.add_kl_coefficient and args.sde_type != "sde":
         parser.error("Flow-DPPO's add_kl_coefficient assumes sde_type=sde (cps has no √-dt transition scale)")
-    if args.noise_level <= 0:
+    if not args.noise_level > 0:
         parser.error("--noise_level must be > 0: Flow-DPPO/GRPO train on the SDE's transition densities")
+    if args.sde_window_range is not None:
+        if args.sde_window_size is None:
+            parser.error("--sde_window_range needs --sde_window_size (without it every step but the last is trained)")
+        try:
+            int_pair(args.sde_window_range)
+        except ValueError as e:
+            parser.error(f"--sde_window_range {e}")
+    if args.sde_window_size is not None:  # the window must fit the range within the rollout's steps
+        try:
+            sde_window_starts(args.num_inference_steps, args.sde_window_size,
+                              int_pair(args.sde_window_range) if args.sde_window_range else None, [])
+        except ValueError as e:
+            parser.error(f"--sde_window_size / --sde_window_range / --num_inference_steps: {e}")
+    parser.check_ranges(args, [
+        ("kl_mask_threshold", lambda v: v > 0, "> 0"), ("clip_ratio", lambda v: v > 0, "> 0"),
+        ("adv_clip_max", lambda v: v > 0, "> 0")])
     return args
+
+
+def int_pair(text: str) -> tuple[int, int]:
+    """'lo,hi' -> (lo, hi), two integers with 0 <= lo < hi (--sde_window_range); ValueError otherwise."""
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r}: expected two integers 'lo,hi'") from None
+    if not 0 <= lo < hi:
+        raise ValueError(f"{text!r}: expected 0 <= lo < hi")
+    return lo, hi
 
 
 @dataclass
@@ -101,7 +131,7 @@ def replay(model, window: StoredWindow, mb: torch.Tensor, scale: float, args) ->
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    window_range = tuple(int(v) for v in args.sde_window_range.split(",")) if args.sde_window_range else None
+    window_range = int_pair(args.sde_window_range) if args.sde_window_range else None
     # ---------------------------------------------------------------- setup (training.setup_run)
     run = T.setup_run(args, adapter_names=(T.ADAPTER_DEFAULT,))
     model, device, rank, world, scale = run.model, run.device, run.rank, run.world, run.cfg_scale
@@ -129,7 +159,7 @@ def main(argv=None) -> None:
         with T.timer("adv", timings):
             advantages, metrics = T.global_advantages(scored, args.rollout_n, global_std=args.global_std,
                                                       norm_by_std=args.norm_adv_by_std, num_steps=num_w)
-        advantages = advantages.to(device)
+        advantages = advantages.to(device)  # (B,)
 
         sigmas = result.metadata["sigmas"].to(device)
         sigma, sigma_next = losses.sigmas_at_timesteps(result.all_timesteps.to(device), sigmas)  # (B, W) each
@@ -141,13 +171,13 @@ def main(argv=None) -> None:
         #    first mini-batch's come from its own update forward below (no optimizer step has run yet), so this pass
         #    replays only the later mini-batches (none when the step makes one optimizer step; --old_from_update off
         #    replays all), or the rollout's own (--old_log_probs rollout)
-        rollout_log_probs = result.all_log_probs.to(device)
+        rollout_log_probs = result.all_log_probs.to(device)  # (B, W)
         samples_per_mini = (run.mini_prompts // world) * args.rollout_n
         micro_steps_per_update = samples_per_mini // args.micro_batch_size * num_w  # micro-batches x W
         first_from_update = args.old_log_probs == "recompute" and args.old_from_update == "on"
         if args.old_log_probs == "recompute":
-            old_log_probs = torch.empty(n_local, num_w, device=device)
-            old_means = torch.empty_like(window.latents[:, 1:])
+            old_log_probs = torch.empty(n_local, num_w, device=device)  # (B, W)
+            old_means = torch.empty_like(window.latents[:, 1:])  # (B, W, *D)
             replayed = T.micro_batches(samples_per_mini if first_from_update else 0, n_local, args.micro_batch_size,
                                        device)
             # compiled blocks round a no-grad graph differently from the update's graph: replay with grad (outputs
@@ -160,11 +190,12 @@ def main(argv=None) -> None:
                         del out  # its graph (the checkpointed block inputs) goes before the next replay
             first_pass = None
         else:
-            if result.all_means is None:
-                raise RuntimeError("--old_log_probs rollout needs the rollout's transition means (all_means); this "
-                                   "rollout engine did not return them")
-            old_log_probs, old_means = rollout_log_probs, result.all_means.to(device)
-            first_pass = torch.zeros_like(old_log_probs)  # the first mini-batch's log-probs: the rollout_corr check
+            if args.loss == "flow_dppo" and result.all_means is None:
+                raise RuntimeError("--old_log_probs rollout with --loss flow_dppo needs the rollout's transition means "
+                                   "(all_means); this rollout engine did not return them")
+            old_log_probs = rollout_log_probs
+            old_means = None if result.all_means is None else result.all_means.to(device)  # (B, W, *D); GRPO: unused
+            first_pass = torch.zeros_like(old_log_probs)  # (B, W) the first mini-batch's log-probs: rollout_corr
             replayed = []
 
         # 4. update the policy

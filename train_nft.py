@@ -71,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.model_path or not args.train_files:
         parser.error("--model_path and --train_files are required (or $MODEL_PATH / $TRAIN_FILES)")
+    parser.check_ranges(args, [
+        ("mix_beta", lambda v: v > 0, "> 0"), ("adv_clip_max", lambda v: v > 0, "> 0"),
+        ("ref_kl_coef", lambda v: v >= 0, ">= 0"), ("adaptive_weight_min", lambda v: v > 0, "> 0"),
+        ("timestep_fraction", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("old_policy_decay", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("old_policy_update_interval", lambda v: v >= 1, ">= 1")])
     problem = T.check_rollout_lag(args)
     if problem:
         parser.error(problem)
@@ -148,7 +154,7 @@ def main(argv=None) -> None:
 
         # 1. rollout with the `old` adapter (deterministic ODE) and its rewards, scored as chunks finish
         result, scored = T.rollout_and_score(run, request_for(rows, step), rows, timings, step)
-        if T.lag_next_rollout(step, args):  # --rollout_policy_lag 1: step + 1 samples while this step trains
+        if T.lag_next_rollout(run, step):  # --rollout_policy_lag 1: step + 1 samples while this step trains
             next_rows = [run.train_data[i] for i in T.peek_batch(run.sampler).local]
             T.submit_rollout(run, request_for(next_rows, step + 1), next_rows)
 
@@ -157,10 +163,10 @@ def main(argv=None) -> None:
             advantages, metrics = T.global_advantages(scored, args.rollout_n, global_std=args.global_std,
                                                       norm_by_std=args.norm_adv_by_std)
             reward_prob = losses.reward_probability(advantages, adv_clip_max=args.adv_clip_max,
-                                                    adv_mode=args.adv_mode).to(device)
+                                                    adv_mode=args.adv_mode).to(device)  # (B,) in [0, 1]
 
         # 3. update the `default` adapter: K timesteps per sample, x_t = (1 - t) x0 + t ε with fresh ε
-        x0 = result.latents_clean.to(device)
+        x0 = result.latents_clean.to(device)  # (B, *D) the rollout's clean latents
         cond = result.conditioning(device)  # the prompt / negative embeddings and references the rollout used
         schedule_timesteps = result.metadata["sigmas"][:-1] * 1000
         train_timesteps = losses.select_train_timesteps(

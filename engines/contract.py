@@ -115,6 +115,9 @@ class RolloutRequest:
             raise ValueError("return_log_probs needs noise_level > 0 (an ODE rollout has no transition density)")
         if self.sde_window_size is not None:
             sde_window_starts(self.num_inference_steps, self.sde_window_size, self.sde_window_range, [])
+        elif self.sde_window_range is not None:
+            raise ValueError("sde_window_range needs sde_window_size (without it every step but the last is "
+                             "stochastic and trained)")
         if self.noise_level > 0 and self.sde_window_size is None and self.num_inference_steps < 2:
             raise ValueError("an SDE rollout without sde_window_size needs num_inference_steps >= 2")
 

@@ -71,7 +71,9 @@ def main() -> None:
         x = data[batch.local]
         loss = model(x).pow(2).mean()
         loss.backward()
-        acc.add({"actor/loss": loss.detach(), "actor/rank": float(info.rank)})
+        acc.add({"actor/loss": loss.detach(), "actor/rank": float(info.rank),
+                 "actor/rank_max": torch.tensor(float(info.rank), device=info.device),
+                 "actor/rank_min": float(info.rank)})
         m = stepper.step(opt)
         m.update(acc.reduce())
         steps.append(m)

@@ -266,6 +266,44 @@ def test_the_private_name_checker_finds_each_form(tmp_path):
         "pkg.c:1: from pkg.b import _helper", "pkg.c:4: from a import _secret", "pkg.sub:1: from pkg.b import _helper"]
 
 
+def names_imported_outside_all(root: Path, packages: tuple[str, ...] = PRODUCT_PACKAGES) -> list[str]:
+    """Every `from X import name` in the product code where project module X lists its public names in a literal
+    `__all__` that lacks `name` (and `name` is not a submodule of X), as "module:line: from X import name"."""
+    modules = product_modules(root, packages)
+    public: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                    for t in node.targets):
+                public[name] = set(ast.literal_eval(node.value))
+    found: list[str] = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                source = import_source(node, package)
+                for alias in node.names:
+                    if (source in public and source != name and alias.name not in public[source]
+                            and f"{source}.{alias.name}" not in modules):
+                        found.append(f"{name}:{node.lineno}: from {source} import {alias.name}")
+    return sorted(found)
+
+
+def test_a_module_with_an_all_list_is_imported_only_by_the_names_it_lists():
+    """`__all__` says what a module offers the others: a name imported from it elsewhere is in it."""
+    found = names_imported_outside_all(REPO)
+    assert not found, "names imported but missing from their module's __all__:\n" + "\n".join(found)
+
+
+def test_the_all_list_checker_finds_an_unlisted_name(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "b.py").write_text("__all__ = ['shown']\nshown = hidden = 1\n")
+    (tmp_path / "pkg" / "c.py").write_text("from .b import shown\n\ndef f():\n    from pkg.b import hidden\n")
+    (tmp_path / "d.py").write_text("from pkg import b\n")  # a submodule, not a name of pkg's __all__
+    assert names_imported_outside_all(tmp_path, ("pkg",)) == ["pkg.c:4: from pkg.b import hidden"]
+
+
 def test_the_checker_reads_the_real_tree_without_importing_it():
     """Parsing only: the graph is built from source text (e.g. vllm-omni, absent here, is never imported). Run in a
     fresh interpreter, where no earlier test has imported the project."""

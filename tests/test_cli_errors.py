@@ -42,6 +42,33 @@ def test_misspelt_flag_is_one_line_with_a_suggestion(monkeypatch, capsys):
     assert suggest_flags("unrecognized arguments: --zzz", ["--lr"]) == "unrecognized arguments: --zzz"
 
 
+@pytest.mark.parametrize("trainer, flags, line", [
+    ("train_dppo.py", ["--sde_window_range", "0,5"], "--sde_window_range needs --sde_window_size (without it every "
+                                                     "step but the last is trained)"),
+    ("train_dppo.py", ["--sde_window_size", "2", "--sde_window_range", "3"],
+     "--sde_window_range '3': expected two integers 'lo,hi'"),
+    ("train_dppo.py", ["--sde_window_size", "2", "--sde_window_range", "0,12"],
+     "--sde_window_size / --sde_window_range / --num_inference_steps: sde_window_size=2 does not fit "
+     "sde_window_range=(0, 12) within 10 steps"),
+    ("train_dppo.py", ["--clip_ratio", "0"], "--clip_ratio 0.0: must be > 0"),
+    ("train_dppo.py", ["--kl_mask_threshold", "nan"], "--kl_mask_threshold nan: must be > 0"),
+    ("train_nft.py", ["--mix_beta", "0"], "--mix_beta 0.0: must be > 0"),
+    ("train_nft.py", ["--timestep_fraction", "1.5"], "--timestep_fraction 1.5: must be in (0, 1]"),
+    ("train_nft.py", ["--old_policy_update_interval", "0"], "--old_policy_update_interval 0: must be >= 1"),
+])
+def test_an_algorithm_flag_out_of_range_is_refused_at_parse_time(monkeypatch, capsys, trainer, flags, line):
+    """These failed only inside the first step's loss (after the model load and a whole rollout), or ignored the
+    flag (--sde_window_range without --sde_window_size); now each is one line naming the flag, before anything."""
+    import train_nft
+
+    monkeypatch.setattr(sys, "argv", [trainer])
+    parse = {"train_dppo.py": train_dppo.parse_args, "train_nft.py": train_nft.parse_args}[trainer]
+    with pytest.raises(SystemExit) as info:
+        parse(["--model_path", "m", "--train_files", "t", *flags])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"{trainer}: error: {line} (see {trainer} --help)"]
+
+
 @pytest.mark.parametrize("trainer, flag, value, owner", [("train_dppo.py", "--mix_beta", "0.1", "train_nft.py"),
                                                         ("train_nft.py", "--loss", "flow_grpo", "train_dppo.py")])
 def test_the_other_trainers_flag_is_named_as_such_and_never_abbreviated(monkeypatch, capsys, trainer, flag, value,

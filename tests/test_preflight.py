@@ -81,6 +81,12 @@ def test_bad_flags_and_sizes_are_refused(flags):
     refused(cli(**flags, val_max_samples=1), r"validation uses 1 prompt.* needs one per trainer rank \(2\)", world=2)
     for name in ("judge_max_unusable_frac", "judge_max_empty_frac"):  # the former name sets the same threshold
         refused(cli(**flags, **{name: 1.5}), r"--judge_max_unusable_frac 1.5: must be in \[0, 1\]")
+    # the optimizer's flags, before the model loads (a one-number --adam_betas reached AdamW as an IndexError)
+    for betas in ("0.9", "0.9,x", "0.9,1.0"):
+        refused(cli(**flags, adam_betas=betas), rf"--adam_betas {betas}: expected two numbers 'beta1,beta2', each in")
+    refused(cli(**flags, lr_scheduler="cosine", lr_warmup_steps=5, total_training_steps=5),
+            r"--lr_scheduler cosine decays after the warm-up, but --lr_warmup_steps \(5\) >= --total_training_steps")
+    refused(cli(**flags, lr_scheduler="linear", min_lr_ratio=2.0), r"0 <= --min_lr_ratio <= 1, got 0, 2.0")
     refused(cli(**flags, rollout_timeout_s=1000, rollout_startup_timeout_s=10, collective_timeout_s=900),
             r"--collective_timeout_s 900 is not above --rollout_timeout_s \(1000 s\)")
     # one GPU rank without FSDP2 computes with the stored base weights: an fp32 copy cannot be reproduced there

@@ -131,3 +131,26 @@ def test_the_demo_then_the_readme_commands_work_as_pasted(tiny_models, tmp_path)
     exported = run_pasted(export, work, env)
     assert (run / "peft_default" / "adapter_config.json").is_file()
     assert "adapter keys" not in exported[-1].stderr, exported[-1].stderr    # PEFT's missing/unexpected-key warning
+
+
+def test_the_own_reward_example_is_scored_as_the_readme_says(monkeypatch):
+    """The README's brightness reward, pasted into rewards.py as its steps say (the function and the scorer's method
+    from its python block, the REWARDS entry from its text): scored, per image, with no other change."""
+    import textwrap
+
+    import torch
+
+    import rewards as R
+
+    namespace = dict(vars(R))
+    exec(textwrap.dedent(readme_block("Your own reward", "python")), namespace)  # noqa: S102 - the README's code
+    monkeypatch.setattr(R, "brightness", namespace["brightness"], raising=False)
+    monkeypatch.setattr(R.RewardScorer, "score_brightness", namespace["score_brightness"], raising=False)
+    section = (REPO / "README.md").read_text(encoding="utf-8").split("## Your own reward\n")[1]
+    entry = re.search(r'`"brightness": (Reward\(.*?\)),`', section).group(1)
+    monkeypatch.setitem(R.REWARDS, "brightness", eval(entry, vars(R)))  # noqa: S307 - the README's table entry
+    white, black = torch.full((3, 8, 8), 255, dtype=torch.uint8), torch.zeros(3, 8, 8, dtype=torch.uint8)
+    scorer = R.RewardScorer()
+    result = scorer.score_batch([white, black], ["", ""], ["brightness", "brightness"])
+    assert result.rewards.tolist() == [1.0, 0.0] and result.extras["reward/brightness"].tolist() == [1.0, 0.0]
+    assert scorer.scores_rows_independently(["brightness"])  # the rollout scores its chunks as they finish

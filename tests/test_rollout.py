@@ -93,6 +93,8 @@ def test_request_rejects_unknown_keys_and_bad_values():
         RolloutRequest.from_dict(dict(good, true_cfg_scale=4.0))
     with pytest.raises(ValueError, match=r"missing rollout request keys \['cfg_scale'\]"):
         RolloutRequest.from_dict({k: v for k, v in good.items() if k != "cfg_scale"})
+    with pytest.raises(ValueError, match="sde_window_range needs sde_window_size"):  # was silently ignored
+        RolloutRequest.from_dict(dict(good, noise_level=1.0, sde_window_range=[0, 2]))
     for bad in (float("nan"), "4", None, True):
         with pytest.raises(ValueError, match="cfg_scale must be a finite number"):
             RolloutRequest.from_dict(dict(good, cfg_scale=bad))

@@ -5,6 +5,7 @@ submit / collect with the policy lag it reports, and the adapter sync through me
 for bit) with wrong tensor sets refused."""
 
 import argparse
+from types import SimpleNamespace
 import os
 
 import pytest
@@ -125,9 +126,13 @@ def test_lagged_rollout_needs_its_own_gpus(monkeypatch):
     assert T.check_rollout_lag(args(rollout_policy_lag=0)) is None
     assert T.check_rollout_lag(args(device="cpu", rollout_devices="cpu")) is None
     # no pending rollout at a checkpoint (exact resume) and none after the last step
-    lag = argparse.Namespace(rollout_policy_lag=1, total_training_steps=6, save_freq=3)
-    assert [s for s in range(1, 7) if T.lag_next_rollout(s, lag)] == [1, 2, 4, 5]
-    assert not T.lag_next_rollout(1, argparse.Namespace(rollout_policy_lag=0, total_training_steps=6, save_freq=3))
+    def run(lag: int = 1, save_pending: bool = False):
+        return SimpleNamespace(args=argparse.Namespace(rollout_policy_lag=lag, total_training_steps=6, save_freq=3),
+                               lifeboat=SimpleNamespace(save_pending=save_pending))
+    assert [s for s in range(1, 7) if T.lag_next_rollout(run(), s)] == [1, 2, 4, 5]
+    assert not T.lag_next_rollout(run(lag=0), 1)
+    # a checkpoint deferred from a skipped step is written at the next applied one: no lagged rollout until then
+    assert not T.lag_next_rollout(run(save_pending=True), 4)
 
 
 def test_peek_batch_leaves_the_sampler_where_it_was():

@@ -188,9 +188,10 @@ class RecordingRollout:
     has_pending, sync_mode = False, "disk"
 
     def __init__(self):
-        self.loaded, self.generated = None, []
+        self.loaded, self.generated, self.versions_published = None, [], 0
 
     def load_adapter(self, path, version):
+        self.versions_published += 1
         _, modules = lora.read_adapter(path)
         self.loaded = (version, {f"{m}.lora_{ab}.weight": t for m, pair in modules.items() for ab, t in pair.items()})
         return [len(modules)]
@@ -234,6 +235,18 @@ def test_val_adapter_samples_with_the_chosen_adapter_and_restores_the_rollout(tm
     assert label == ("val-default-v3" if val_adapter == "default" else "v3")
     assert client.loaded[0] == "v3" and same(client.loaded[1], old)  # the next training rollout samples `old` v3
     assert "val-core/src/reward/mean@1" in metrics
+    assert client.versions_published == 1  # the swap and re-sync publish no new policy (rollout/policy_lag)
+
+    # a reward that fails in validation ends the run through the run's failure policy: the last finished step is
+    # written (Lifeboat.fail_with_checkpoint) and the error raised, not left to the other ranks' gather timeout
+    def broken(*a, **k):
+        raise ConnectionError("judge down")
+    fatal = []
+    run.scorer = SimpleNamespace(score_batch=broken)
+    run.lifeboat = SimpleNamespace(fail_with_checkpoint=lambda e, what, agreed: fatal.append((str(e), what, agreed)))
+    with pytest.raises(ConnectionError, match="judge down"):
+        run.validate(4)
+    assert fatal == [("judge down", "the validation", True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

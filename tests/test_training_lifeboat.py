@@ -88,6 +88,22 @@ def test_a_stop_at_a_step_boundary_saves_closes_and_exits_with_its_code(tmp_path
     assert "--resume auto (checkpoint " in line
 
 
+@pytest.mark.parametrize("signum", [0, 15])
+def test_a_stop_after_a_skipped_update_does_not_save_that_step(tmp_path, monkeypatch, capsys, signum):
+    """Like a due checkpoint, a stop's does not write weights that just gave NaN/inf: with --keep_last they could
+    push out the last good checkpoint."""
+    boat, stepper, written, closed = make_boat(tmp_path, monkeypatch)
+    stepper.consecutive_skips = 1
+    if signum:
+        boat.stop_signals = SimpleNamespace(signum=signum, received_at=0.0)
+    else:
+        boat.args.max_wall_time_s = 1e-9
+    with pytest.raises(SystemExit):
+        boat.stop_if_asked(3, started_at=0.0)
+    assert written == [] and closed == [True]
+    assert "step 3 not saved: its update was skipped (non-finite)" in capsys.readouterr().out
+
+
 def test_no_stop_asked_runs_on(tmp_path, monkeypatch):
     boat, _, written, closed = make_boat(tmp_path, monkeypatch)
     boat.stop_if_asked(3, started_at=0.0)

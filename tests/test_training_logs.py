@@ -137,6 +137,10 @@ def test_metric_accumulator_timer_perf_progress():
     acc.add({"actor/policy_loss": 3.0, "actor/ratio_mean": 1.0})
     assert acc.reduce() == {"actor/policy_loss": 2.0, "actor/ratio_mean": 1.0}
     assert acc.reduce() == {}
+    # extremes stay extremes: one outlier micro-batch of three is not averaged away (a mean would give 1.67 / 0.83)
+    for ratio_max, ratio_min in ((1.0, 1.0), (torch.tensor(3.0), torch.tensor(0.5)), (1.0, 1.0)):
+        acc.add({"actor/ratio_max": ratio_max, "actor/ratio_min": ratio_min, "actor/kl": 0.25})
+    assert acc.reduce() == {"actor/ratio_max": 3.0, "actor/ratio_min": 0.5, "actor/kl": 0.25}
     timings: dict[str, float] = {}
     with T.timer("gen", timings):
         pass
@@ -175,7 +179,9 @@ def test_image_grid_and_tensorboard_keys(tmp_path):
     metrics.update(perf_metrics(2, 1.0, 1))
     metrics.update(validation_metrics(["ocr"], {"reward": [0.5]}))
     model(torch.randn(1, 5, 4)).sum().backward()
-    metrics.update(GradStepper().step(build_optimizer(model, lr=1e-3)))
+    stepper = GradStepper()
+    metrics.update(stepper.step(build_optimizer(model, lr=1e-3)))
+    metrics.update(stepper.counters())  # as Run.end_step logs them, once per step
     with T.timer("step", metrics):
         pass
     logger.log_scalars(metrics, step=1)

@@ -52,7 +52,7 @@ __all__ = [
     "CHECKPOINT_FORMAT", "library_versions", "optimizer_full_state", "load_optimizer_full_state_", "save_checkpoint",
     "GatheredState", "gather_checkpoint", "write_checkpoint", "save_gathered",
     "step_dir", "find_latest", "verify_checkpoint", "clean_orphans", "check_resume_config",
-    "load_checkpoint",
+    "load_checkpoint", "complete_steps", "step_dirs", "load_tensors", "checkpoint_on_rank0", "read_trainer_state",
 ]
 
 

@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import traceback
-from typing import Callable, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
 from .distributed import RankFailed, cleanup_distributed, get_local_rank, launch_rank
@@ -85,6 +85,14 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)  # a flag's prefix never quietly means the flag
         super().__init__(*args, **kwargs)
+
+    def check_ranges(self, args: argparse.Namespace, rules: Sequence[tuple[str, Callable[[Any], bool], str]]) -> None:
+        """`error` naming the first flag whose value breaks its rule: (dest, predicate, what the value must be);
+        an unset (None) flag passes. Model-free, so a bad value ends the run before anything loads."""
+        for dest, ok, must in rules:
+            value = getattr(args, dest)
+            if value is not None and not ok(value):
+                self.error(f"--{dest} {value}: must be {must}")
 
     def error(self, message: str) -> NoReturn:
         flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]

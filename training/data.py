@@ -128,14 +128,14 @@ def micro_steps(n: int, mini: int, micro: int, inner: int,
     the `last` one."""
     if inner < 1:
         raise ValueError(f"a micro-batch needs at least one inner step, got {inner}")
-    for i, micro_batches in enumerate(mini_batches(n, mini, micro, epochs=epochs, device=device)):
-        for m, mb in enumerate(micro_batches):
+    for i, mini_batch in enumerate(mini_batches(n, mini, micro, epochs=epochs, device=device)):
+        for m, mb in enumerate(mini_batch):
             expected = 0
             for k, out in forwards(i, mb):
                 if k != expected or k >= inner:  # checked before the trainer's backward, so no gradient leaks
                     due = f"past its {inner} steps" if expected >= inner else f"where step {expected} was due"
                     raise ValueError(f"the forwards of a micro-batch yielded step {k} {due}")
-                yield MicroStep(i, mb, k, out, m == len(micro_batches) - 1 and k == inner - 1)
+                yield MicroStep(i, mb, k, out, m == len(mini_batch) - 1 and k == inner - 1)
                 expected += 1
             if expected != inner:
                 raise ValueError(f"the forwards of a micro-batch ended after {expected} of {inner} steps")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "launch_rank", "get_world_size", "get_local_rank",
-    "is_main_process", "is_local_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
+    "is_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
     "raise_if_any_rank_failed", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S", "scores_http_judge"
 ]
 
@@ -228,11 +228,6 @@ def get_local_rank() -> int:
 
 def is_main_process() -> bool:
     return get_rank() == 0
-
-
-def is_local_main_process() -> bool:
-    """Node-local rank 0 (from LOCAL_RANK): the process that launches this node's rollout worker group."""
-    return get_local_rank() == 0
 
 
 def barrier() -> None:

@@ -16,7 +16,7 @@ from .adapters import adapter_arg
 from .model import FSDP_MODES
 from .optim import LR_SCHEDULES
 
-__all__ = ["add_common_args", "set_defaults_from_model_folder", "resolve_device", "resolve_cfg_scale", "run_dir_cfg_scale", "check_batch_sizes",
+__all__ = ["add_common_args", "set_defaults_from_model_folder", "resolve_device", "resolve_cfg_scale", "run_dir_cfg_scale", "check_batch_sizes", "adam_betas",
            "parse_lora_init", "check_rollout_lag"]
 
 
@@ -64,7 +64,7 @@ def add_common_args(parser) -> None:
                    help="linear warm-up from 0 over this many steps (step 1 runs at lr 0, as in verl)")
     g.add_argument("--min_lr_ratio", type=float, default=0.0, help="floor of the linear / cosine decay (x lr)")
     g.add_argument("--weight_decay", type=float, default=0.01)
-    g.add_argument("--adam_betas", default="0.9,0.999")
+    g.add_argument("--adam_betas", default="0.9,0.999", help="AdamW 'beta1,beta2', each in [0, 1)")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="grad-norm clip; a non-finite norm skips the step")
     g.add_argument("--old_from_update", default="on", choices=["on", "off"],
                    help="'on' = where the update's first mini-batch needs the old policy's outputs and the old "
@@ -232,6 +232,17 @@ def run_dir_cfg_scale(family: str, args) -> float:
         raise ValueError(f"--run_dir {args.run_dir} records no cfg_scale (written by an older version): pass --{own} "
                          f"(a train_nft.py run on Qwen-Image without --true_cfg_scale sampled at 1.0, others at 4.0)")
     return resolve_cfg_scale(family, args, args.run_cfg_scale)
+
+
+def adam_betas(text: str) -> tuple[float, float]:
+    """--adam_betas 'beta1,beta2' -> (beta1, beta2), each in [0, 1); ValueError naming the flag otherwise."""
+    try:
+        betas = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"--adam_betas {text}: expected two numbers 'beta1,beta2', each in [0, 1) (e.g. 0.9,0.999)")
+    return betas
 
 
 def check_batch_sizes(train_batch_size: int, mini_batch_prompts: int, n: int, micro_batch_size: int,

@@ -100,27 +100,29 @@ class Lifeboat:
             self._stop(done, signum, wall, over_budget, started_at)
 
     def _stop(self, done: int, signum: int, wall: bool, over_budget: bool, started_at: float) -> None:
-        """Checkpoint at step `done` (unless it is already saved, or SIGTERM's --stop_save_budget_s ran out), print
-        one line, close, exit: 0 for --max_wall_time_s, 128 + signal number for a signal."""
+        """Checkpoint at step `done` (unless it is already saved, its update was skipped, like `checkpoint`'s
+        deferral, or SIGTERM's --stop_save_budget_s ran out), print one line, close, exit: 0 for --max_wall_time_s,
+        128 + signal number for a signal."""
         args = self.args
         path = None
         saved_already = done <= max(self.start_step, self.last_saved_step)
-        if not saved_already and not over_budget:
+        skipped = self.stepper.consecutive_skips > 0  # its weights just gave NaN/inf: never ahead of a good one
+        if not saved_already and not over_budget and not skipped:
             path = self.save(done)
         latest = path or (find_latest(self.ckpt_root) if self.rank == 0 else None)
         where = f"--resume auto (checkpoint {latest})" if latest else "--resume auto (no checkpoint yet: step 0)"
+        reason = ("" if path or saved_already else
+                  f"; step {done} not saved: its update was skipped (non-finite)" if skipped else
+                  f"; no checkpoint written: the step ended more than --stop_save_budget_s "
+                  f"{args.stop_save_budget_s:g} s after the signal")
         if signum:
-            name = signal.Signals(signum).name
-            reason = ("" if path or saved_already else
-                      f"; no checkpoint written: the step ended more than --stop_save_budget_s "
-                      f"{args.stop_save_budget_s:g} s after the signal")
-            line = f"stopped by {name} at step {done}{reason}; resume with {where} and the same flags"
+            line = f"stopped by {signal.Signals(signum).name} at step {done}{reason}; resume with {where} and the " \
+                   f"same flags"
             code = 128 + signum
         else:
             elapsed = time.monotonic() - started_at
             line = (f"stopped at step {done} after {elapsed:.0f} s of training (--max_wall_time_s "
-                    f"{args.max_wall_time_s:g}); "
-                    f"continue with {where} and the same flags")
+                    f"{args.max_wall_time_s:g}){reason}; continue with {where} and the same flags")
             code = 0
         if self.rank == 0:
             print(line, flush=True)

@@ -196,35 +196,54 @@ def _start_wandb(output_dir: str, *, config: Mapping[str, Any], project: str, na
 
 
 class MetricAccumulator:
-    """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks.
+    """Collect scalar metrics over micro-batches; `reduce()` = mean over micro-batches, then mean over ranks, except
+    for a key ending in `_max` (`_min`): the largest (smallest) value over micro-batches and ranks, so an outlier
+    sample is not averaged away (e.g. `actor/ratio_max`, the trust region's alarm).
 
     Tensor values stay on their device until `reduce()` (no host sync per micro-batch for callers that pass
-    tensors, e.g. the losses' metrics; float and tensor values give the same bits: both are
-    summed in float64 in the same order). The rank mean is ONE
-    all_reduce of a float64 vector [means..., key count, key hash]; every rank must have added the same keys (a
-    different key set is detected and raised, never silently averaged).
+    tensors, e.g. the losses' metrics; float and tensor values give the same bits: both are summed in float64 in
+    the same order). The rank reduction is ONE all_reduce (SUM) of a float64 vector [means..., key count, key hash],
+    plus one (MAX) of the extremes when there are any; every rank must have added the same keys (a different key
+    set is detected and raised, never silently averaged).
     """
 
     def __init__(self) -> None:
         self.sums: dict[str, float | torch.Tensor] = {}
         self.counts: dict[str, int] = {}
 
+    @staticmethod
+    def extreme_sign(key: str) -> int:
+        """+1 for a `_max` key, -1 for a `_min` key (reduced as the max of its negation), 0 for a mean."""
+        return 1 if key.endswith("_max") else -1 if key.endswith("_min") else 0
+
     def add(self, metrics: Mapping[str, float | torch.Tensor]) -> None:
         for key, value in metrics.items():
             value = value.detach().double().mean() if isinstance(value, torch.Tensor) else float(value)
-            self.sums[key] = self.sums.get(key, 0.0) + value
+            sign = self.extreme_sign(key)
+            if sign and key in self.sums:
+                old = torch.as_tensor(self.sums[key], dtype=torch.float64)
+                new = torch.as_tensor(value, dtype=torch.float64)
+                device = old.device if old.device.type != "cpu" else new.device  # no host read of a GPU value
+                self.sums[key] = sign * torch.maximum(sign * old.to(device), sign * new.to(device))
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value
             self.counts[key] = self.counts.get(key, 0) + 1
 
     def reduce(self) -> dict[str, float]:
-        """Mean over this rank's adds, then the mean over ranks (one collective); clears the accumulator."""
+        """Over this rank's adds, then over ranks (one or two collectives); clears the accumulator."""
         keys = sorted(self.sums)
+        means = [k for k in keys if not self.extreme_sign(k)]
+        extremes = [k for k in keys if self.extreme_sign(k)]
         device = next((v.device for v in self.sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
         world = get_world_size()
         key_hash = float(int(hashlib.sha1("\n".join(keys).encode()).hexdigest(), 16) % (2**40))
         parts = [torch.as_tensor(self.sums[k], dtype=torch.float64, device=device).reshape(1) / self.counts[k]
-                 for k in keys]
+                 for k in means]
         tail = torch.tensor([float(len(keys)), key_hash], dtype=torch.float64, device=device)
         vec = torch.cat(parts + [tail])
+        ext = torch.cat([self.extreme_sign(k) * torch.as_tensor(self.sums[k], dtype=torch.float64,
+                                                                 device=device).reshape(1) for k in extremes]
+                        + [torch.zeros(0, dtype=torch.float64, device=device)])
         self.sums, self.counts = {}, {}
         if world > 1 and dist.is_initialized():
             dist.all_reduce(vec)  # vectors of different lengths make this collective itself fail
@@ -234,7 +253,11 @@ class MetricAccumulator:
                 f"MetricAccumulator.reduce: ranks logged different metric keys (rank {get_rank()} has {keys}); "
                 f"log the same keys on every rank"
             )
-        return {k: values[i] / world for i, k in enumerate(keys)}
+        if extremes and world > 1 and dist.is_initialized():
+            dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+        out = {k: values[i] / world for i, k in enumerate(means)}
+        out.update({k: self.extreme_sign(k) * v for k, v in zip(extremes, ext.tolist())})
+        return out
 
 
 def reward_metrics(

@@ -24,7 +24,7 @@ __all__ = [
     "cast_frozen_base_", "FSDP_MODES", "shard_transformer", "ComputeDtypeLinear", "place_on_one_rank",
     "prepare_transformer",
     "adapter_state_dict", "load_adapter_state_",
-    "save_adapter_dir", "adapter_config_dict", "load_flow_model",
+    "save_adapter_dir", "adapter_config_dict", "load_flow_model", "full_tensor", "strip_adapter", "adapter_pattern",
 ]
 
 

@@ -18,7 +18,8 @@ from .model import ADAPTER_DEFAULT, ADAPTER_OLD, adapter_pattern, full_tensor, a
 
 __all__ = [
     "build_optimizer", "LR_SCHEDULES", "lr_multiplier", "build_lr_scheduler", "lr_scheduler_state",
-    "load_lr_scheduler_state_", "GradStepper", "ema_adapter_", "adapters_equal", "old_policy_refresh"
+    "load_lr_scheduler_state_", "GradStepper", "ema_adapter_", "adapters_equal", "old_policy_refresh",
+    "check_lr_schedule", "local_shard",
 ]
 
 
@@ -58,7 +59,7 @@ def lr_multiplier(step: int, *, schedule: str, warmup_steps: int, total_steps: i
     if schedule not in LR_SCHEDULES:
         raise ValueError(f"lr schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
     if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"need lr_warmup_steps >= 0 and 0 <= min_lr_ratio <= 1, got {warmup_steps}, {min_lr_ratio}")
+        raise ValueError(f"need --lr_warmup_steps >= 0 and 0 <= --min_lr_ratio <= 1, got {warmup_steps}, {min_lr_ratio}")
     if step < warmup_steps:
         return step / warmup_steps
     if schedule == "constant":
@@ -68,16 +69,22 @@ def lr_multiplier(step: int, *, schedule: str, warmup_steps: int, total_steps: i
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str = "constant", warmup_steps: int = 0,
-                       total_steps: int, min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
-    """`LambdaLR` with `lr_multiplier`, stepped once per training step (after the step's updates, as verl does).
-    Build it right after the optimizer and BEFORE a checkpoint restores the optimizer (LambdaLR sets the lr at
-    construction); restore it with `load_lr_scheduler_state_`."""
+def check_lr_schedule(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
+    """ValueError naming the flags unless `lr_multiplier` takes these settings and a decaying schedule has steps
+    left after its warm-up (model-free: the preflight runs it before anything loads)."""
     lr_multiplier(0, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
                   min_lr_ratio=min_lr_ratio)  # validates the arguments
     if schedule != "constant" and total_steps <= warmup_steps:
         raise ValueError(f"--lr_scheduler {schedule} decays after the warm-up, but --lr_warmup_steps "
                          f"({warmup_steps}) >= --total_training_steps ({total_steps})")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str = "constant", warmup_steps: int = 0,
+                       total_steps: int, min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """`LambdaLR` with `lr_multiplier`, stepped once per training step (after the step's updates, as verl does).
+    Build it right after the optimizer and BEFORE a checkpoint restores the optimizer (LambdaLR sets the lr at
+    construction); restore it with `load_lr_scheduler_state_`."""
+    check_lr_schedule(schedule, warmup_steps, total_steps, min_lr_ratio)
 
     def factor(step: int) -> float:
         return lr_multiplier(step, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
@@ -178,8 +185,8 @@ class GradStepper:
         loss.backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """Returns {"actor/grad_norm", "actor/lr", "actor/step_skipped", "actor/skipped_steps",
-        "actor/consecutive_skips"}."""
+        """Returns {"actor/grad_norm", "actor/lr", "actor/step_skipped"} (the running counts are `counters`, logged
+        once per RL step: averaged over a step's mini-batches they would read as fractions)."""
         all_params = [p for group in optimizer.param_groups for p in group["params"]]
         params = [p for p in all_params if p.grad is not None]
         first = all_params[0] if all_params else None
@@ -212,9 +219,12 @@ class GradStepper:
             "actor/grad_norm": grad_norm,
             "actor/lr": float(optimizer.param_groups[0]["lr"]),
             "actor/step_skipped": float(bool(reason)),
-            "actor/skipped_steps": float(self.skipped_steps),
-            "actor/consecutive_skips": float(self.consecutive_skips),
         }
+
+    def counters(self) -> dict[str, float]:
+        """{"actor/skipped_steps": skipped optimizer steps so far, "actor/consecutive_skips": of them in a row now}."""
+        return {"actor/skipped_steps": float(self.skipped_steps),
+                "actor/consecutive_skips": float(self.consecutive_skips)}
 
     @staticmethod
     @torch.no_grad()

@@ -45,8 +45,9 @@ def check_flags(args, world: int) -> None:
     """Counts, timeouts and batch sizes (`check_batch_sizes`) of the run with `world` trainer ranks, and the
     collective timeout (`collective_timeout_s`)."""
     from .distributed import collective_timeout_s
-    from .flags import check_batch_sizes, resolve_device
+    from .flags import adam_betas, check_batch_sizes, resolve_device
     from .model import base_weight_dtype, mixed_precision_policy
+    from .optim import check_lr_schedule
 
     at_least = {"train_batch_size": 1, "rollout_n": 1, "micro_batch_size": 1, "ppo_epochs": 1,
                 "total_training_steps": 1, "save_freq": 1, "log_every": 1, "num_inference_steps": 1,
@@ -93,6 +94,8 @@ def check_flags(args, world: int) -> None:
                              f"trainer rank(s)") from None
     try:
         collective_timeout_s(args)
+        adam_betas(args.adam_betas)
+        check_lr_schedule(args.lr_scheduler, args.lr_warmup_steps, args.total_training_steps, args.min_lr_ratio)
     except ValueError as e:
         raise PreflightError(str(e)) from None
 

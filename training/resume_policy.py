@@ -16,7 +16,7 @@ _HASH_CHUNK = 8 << 20
 _SAMPLE = 1 << 20
 
 __all__ = ["RESUME_BLOCKING", "RESUME_LOGGED", "RESUME_PATHS", "RESUME_MUTABLE_KEYS", "config_fingerprint",
-           "content_fingerprints", "path_fingerprint", "sha256_file"]
+           "content_fingerprints", "path_fingerprint", "sha256_file", "hash_files", "logged_values"]
 
 
 # The resume policy: every flag of the trainers is in exactly one of these (tests/test_training_resume.py fails on a new

@@ -154,10 +154,13 @@ def peek_batch(sampler):
     return copy.copy(sampler).next_batch()
 
 
-def lag_next_rollout(step: int, args) -> bool:
+def lag_next_rollout(run, step: int) -> bool:
     """--rollout_policy_lag 1: submit step + 1's rollout now, to sample while this step trains? Not after the last
-    step, and not on a step that writes a checkpoint, so that no rollout is pending at any checkpoint and --resume
-    continues exactly (the step after a checkpoint samples unlagged, in the resumed run as in the uninterrupted
-    one)."""
+    step, and not on a step that may write a checkpoint (every --save_freq steps, and while one deferred from a
+    skipped step is pending: `Lifeboat.save_pending`), so that no rollout is pending at a scheduled checkpoint and
+    --resume continues exactly (the step after a checkpoint samples unlagged, in the resumed run as in the
+    uninterrupted one). The checkpoints of a stop (a signal, --max_wall_time_s, a fatal error) fall anywhere: a
+    resume from one samples the next step unlagged, so it is not bit-identical to the uninterrupted run."""
+    args = run.args
     return bool(getattr(args, "rollout_policy_lag", 0)) and step < args.total_training_steps \
-        and step % args.save_freq != 0
+        and step % args.save_freq != 0 and not run.lifeboat.save_pending

@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 import torch
 from models import lora
 from models.base import attention_backend
@@ -34,7 +34,7 @@ from .console import discard_console_log, tee_console
 from .logs import (Progress, TensorBoardLogger, WandbLogger, WandbSetupError, all_gather_objects, run_summary,
                    write_run_metadata)
 from .perf import perf_metrics
-from .flags import parse_lora_init, resolve_device
+from .flags import adam_betas, parse_lora_init, resolve_device
 from .adapters import clean_rollout_adapters, load_init_adapter, sync_rollout_adapter
 from .validation import validate
 
@@ -126,16 +126,23 @@ class Run:
         failure on any rank (a rollout worker that died) ends every rank with its message, after the last finished
         step was written (`raise_fatal`)."""
         self.rollout_adapter, self.rollout_version = adapter, step
+        return self.guarded(lambda: sync_rollout_adapter(self.rollout, self.model.transformer, adapter,
+                                                         self.lora_config, self.adapters_root, step,
+                                                         self.num_lora_modules,
+                                                         engine_names=self.args.rollout_engine == "vllm_omni"),
+                            f"the adapter sync of step {step}")
+
+    def guarded(self, fn: Callable[[], Any], what: str) -> Any:
+        """`fn()`, this rank's part of phase `what`; an exception on any rank ends every rank through `raise_fatal`.
+        Collective."""
         error: BaseException | None = None
-        timings: dict[str, float] = {}
+        result = None
         try:
-            timings = sync_rollout_adapter(self.rollout, self.model.transformer, adapter, self.lora_config,
-                                           self.adapters_root, step, self.num_lora_modules,
-                                           engine_names=self.args.rollout_engine == "vllm_omni")
+            result = fn()
         except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
             error = e
-        self.raise_fatal(error, f"the adapter sync of step {step}")
-        return timings
+        self.raise_fatal(error, what)
+        return result
 
     def raise_fatal(self, error: BaseException | None, what: str) -> None:
         """Collective: every rank hears whether any rank failed in phase `what` (`raise_if_any_rank_failed`); if one
@@ -162,13 +169,17 @@ class Run:
         val_adapter = getattr(self.args, "val_adapter", None)
         swap = val_adapter is not None and self.rollout_adapter is not None and val_adapter != self.rollout_adapter
         if swap:
-            sync_rollout_adapter(self.rollout, self.model.transformer, val_adapter, self.lora_config,
-                                 os.path.join(self.args.output_dir, "val_adapters"), step, self.num_lora_modules,
-                                 engine_names=self.args.rollout_engine == "vllm_omni",
-                                 label=f"val-{val_adapter}-v{step}")
-        metrics = validate(self.rollout, self.scorer, self.val_data, self.args, step, self.cfg_scale, self.logger)
+            published = self.rollout.versions_published
+            self.guarded(lambda: sync_rollout_adapter(
+                self.rollout, self.model.transformer, val_adapter, self.lora_config,
+                os.path.join(self.args.output_dir, "val_adapters"), step, self.num_lora_modules,
+                engine_names=self.args.rollout_engine == "vllm_omni", label=f"val-{val_adapter}-v{step}"),
+                f"the validation adapter load of step {step}")
+        metrics = validate(self.rollout, self.scorer, self.val_data, self.args, step, self.cfg_scale, self.logger,
+                           fail=self.raise_fatal)
         if swap:
             self.sync_rollout(self.rollout_adapter, self.rollout_version)
+            self.rollout.versions_published = published  # the same policy again: no new version for policy_lag
         self.last_val_metrics = dict(metrics)
         return metrics
 
@@ -182,6 +193,7 @@ class Run:
         if self.lr_scheduler is not None:  # the step's updates are done (actor/lr logged the lr they used)
             self.lr_scheduler.step()
         step_time = time.perf_counter() - step_start
+        metrics.update(self.stepper.counters())
         metrics.update(timings)
         metrics.update(perf_metrics(args.train_batch_size * args.rollout_n, step_time, self.world))
         metrics["training/global_step"] = float(step)
@@ -211,7 +223,7 @@ def setup_run(args, *, adapter_names: tuple[str, ...], cfg_defaults: Mapping[str
     --output_dir, the console log and the heartbeats (`hold_output_dir`); seeds; --rollout_python checked;
     `--resume` decided model-free (`prepare_output_dir`); TensorBoard (or W&B) and the run metadata (`open_logs`);
     the model with its LoRA adapters `adapter_names` under FSDP2 (`build_model`); AdamW, the skip-checking step and
-    the lr schedule (`build_optimizer_and_schedule`); the data, the sampler and the batch-size checks
+    the lr schedule (`build_optimizer_and_schedule`); the data and this rank's shard of the sampler
     (`load_data`); the reward scorer; the checkpoint to resume (`resume_state`); the rollout workers of this node
     (`start_rollout_workers`); then the `Run` and its `Lifeboat` (training/lifeboat.py: the checkpoints, the run
     lock, the divergence stop), armed with the SIGTERM/SIGINT/SIGHUP handling (`StopSignals`, with the at-once
@@ -364,7 +376,7 @@ def build_optimizer_and_schedule(args, model) -> tuple[torch.optim.Optimizer, Gr
     """AdamW over the `default` adapter, the optimizer step that skips a non-finite one (`GradStepper`, with
     --max_grad_norm clipping) and the lr schedule (stepped once per RL step)."""
     optimizer = build_optimizer(model.transformer, lr=args.lr, weight_decay=args.weight_decay,
-                                betas=tuple(float(b) for b in args.adam_betas.split(",")))
+                                betas=adam_betas(args.adam_betas))
     stepper = GradStepper(args.max_grad_norm)
     lr_scheduler = build_lr_scheduler(optimizer, schedule=args.lr_scheduler, warmup_steps=args.lr_warmup_steps,
                                       total_steps=args.total_training_steps, min_lr_ratio=args.min_lr_ratio)

@@ -21,7 +21,7 @@ from .logs import all_gather_objects, reward_metrics
 __all__ = ["score_inputs", "score_samples", "nonfinite_rows", "score_finite", "RewardStream", "JUDGE_LOG",
            "JudgeNotReading", "JudgeReplyCounts", "judge_reply_counts", "judge_records", "log_judge_replies",
            "append_judge_log",
-           "global_advantages"]
+           "global_advantages", "sum_over_ranks"]
 
 
 def score_inputs(rows: Sequence[Any], n: int) -> dict[str, list]:

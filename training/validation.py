@@ -4,11 +4,11 @@ scripts/evaluate.py (`run_validation`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .distributed import get_rank, get_world_size
+from .distributed import get_rank, get_world_size, raise_if_any_rank_failed
 from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, sample_caption, timer,
                    validation_metrics)
 from .rollouts import rollout_request
@@ -31,7 +31,8 @@ class ValidationOutcome:
     first: int
 
 
-def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float) -> ValidationOutcome:
+def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float,
+                   fail: Callable[[BaseException | None, str], None] = raise_if_any_rank_failed) -> ValidationOutcome:
     """ODE validation on the test split: THE code path of in-training validation (`validate`) and of
     scripts/evaluate.py. The first --val_max_samples prompts (0 = all) split over the ranks in contiguous blocks,
     one sample per prompt with seed `rollout.row_seed(--val_seed, 1, prompt index)` (so the numbers do not depend
@@ -39,7 +40,9 @@ def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float) -
     from `scorer`; `val-core/<data_source>/reward/mean@1` + val-aux extras (`validation_metrics`) over every
     rank's samples that came back finite, `val-aux/nonfinite_samples` (the others: never scored, their records'
     reward NaN and "nonfinite": True), plus `timing_s/testing`. `rollout_client`: anything with `generate(RolloutRequest)` (the
-    trainers' DistributedRollout, evaluate.py's NativeEngine). Collective."""
+    trainers' DistributedRollout, evaluate.py's NativeEngine). A failure of this rank's sampling or scoring ends
+    every rank alike through `fail(error, phase)` (collective; a trainer's `Run.raise_fatal` also writes the last
+    finished step) instead of leaving the others waiting in the gather below. Collective."""
     world, rank = get_world_size(), get_rank()
     total = len(dataset) if not args.val_max_samples else min(len(dataset), args.val_max_samples)
     if total < world:
@@ -51,9 +54,14 @@ def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float) -
         request = rollout_request(rows, n=1, first_row=start, seed=args.val_seed, step=1,
                                   num_inference_steps=args.val_num_inference_steps, height=args.height,
                                   width=args.width, cfg_scale=cfg_scale, noise_level=0.0)
-        result = rollout_client.generate(request)
-        bad = nonfinite_rows(result)  # never scored: their images are not a policy's samples
-        scored = score_samples(scorer, result.images, rows, 1, bad)
+        error: BaseException | None = None
+        try:
+            result = rollout_client.generate(request)
+            bad = nonfinite_rows(result)  # never scored: their images are not a policy's samples
+            scored = score_samples(scorer, result.images, rows, 1, bad)
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
+            error = e
+        fail(error, "the validation")
     local = []
     for j, row in enumerate(rows):
         record = {"index": row.index, "data_source": row.data_source, "ground_truth": row.ground_truth,
@@ -76,10 +84,12 @@ def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float) -
     return ValidationOutcome(metrics, samples, images, result.images, start)
 
 
-def validate(rollout_client, scorer, dataset, args, step: int, cfg_scale: float, logger) -> dict[str, float]:
-    """In-training validation: `run_validation`, then (rank 0) TensorBoard `val-core/...`, `val-aux/...` and a
-    captioned grid of the first --num_val_images samples of ALL ranks, and one console line. Collective."""
-    outcome = run_validation(rollout_client, scorer, dataset, args, cfg_scale=cfg_scale)
+def validate(rollout_client, scorer, dataset, args, step: int, cfg_scale: float, logger,
+             fail: Callable[[BaseException | None, str], None] = raise_if_any_rank_failed) -> dict[str, float]:
+    """In-training validation: `run_validation` (`fail`: its failure policy), then (rank 0) TensorBoard
+    `val-core/...`, `val-aux/...` and a captioned grid of the first --num_val_images samples of ALL ranks, and one
+    console line. Collective."""
+    outcome = run_validation(rollout_client, scorer, dataset, args, cfg_scale=cfg_scale, fail=fail)
     if get_rank() == 0:
         logger.log_scalars(outcome.metrics, step)
         replies = [{"phase": "val", "step": step, "sample": k, "row": s["index"], "data_source": s["data_source"],
