@@ -5,7 +5,6 @@ computed from the flags (training.collective_timeout_s), on the main group and t
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import socket
