@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--noise_level must be > 0: Flow-DPPO/GRPO train on the SDE's transition densities")
     if args.sde_window_range is not None:
         if args.sde_window_size is None:
-            parser.error("--sde_window_range needs --sde_window_size (without it every step but the last is trained)")
+            parser.error("--sde_window_range needs --sde_window_size (without it every step but the last is trained; "
+                         "a run started with it alone resumes with it dropped and --resume_force: it had no effect)")
         try:
             int_pair(args.sde_window_range)
         except ValueError as e:
@@ -83,9 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                               int_pair(args.sde_window_range) if args.sde_window_range else None, [])
         except ValueError as e:
             parser.error(f"--sde_window_size / --sde_window_range / --num_inference_steps: {e}")
-    parser.check_ranges(args, [
-        ("kl_mask_threshold", lambda v: v > 0, "> 0"), ("clip_ratio", lambda v: v > 0, "> 0"),
-        ("adv_clip_max", lambda v: v > 0, "> 0")])
+    parser.check_ranges(args, [("kl_mask_threshold", lambda v: v > 0, "> 0")] if args.loss == "flow_dppo" else
+                        [("clip_ratio", lambda v: v > 0, "> 0"), ("adv_clip_max", lambda v: v > 0, "> 0")])
     return args
 
 

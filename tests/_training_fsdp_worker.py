@@ -73,7 +73,8 @@ def main() -> None:
         loss.backward()
         acc.add({"actor/loss": loss.detach(), "actor/rank": float(info.rank),
                  "actor/rank_max": torch.tensor(float(info.rank), device=info.device),
-                 "actor/rank_min": float(info.rank)})
+                 "actor/rank_min": float(info.rank),
+                 "actor/nan_on_rank1_max": float("nan") if info.rank == 1 else 1.0})  # MAX alone drops a NaN
         m = stepper.step(opt)
         m.update(acc.reduce())
         steps.append(m)

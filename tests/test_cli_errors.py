@@ -44,13 +44,14 @@ def test_misspelt_flag_is_one_line_with_a_suggestion(monkeypatch, capsys):
 
 @pytest.mark.parametrize("trainer, flags, line", [
     ("train_dppo.py", ["--sde_window_range", "0,5"], "--sde_window_range needs --sde_window_size (without it every "
-                                                     "step but the last is trained)"),
+                                                     "step but the last is trained; a run started with it alone "
+                                                     "resumes with it dropped and --resume_force: it had no effect)"),
     ("train_dppo.py", ["--sde_window_size", "2", "--sde_window_range", "3"],
      "--sde_window_range '3': expected two integers 'lo,hi'"),
     ("train_dppo.py", ["--sde_window_size", "2", "--sde_window_range", "0,12"],
      "--sde_window_size / --sde_window_range / --num_inference_steps: sde_window_size=2 does not fit "
      "sde_window_range=(0, 12) within 10 steps"),
-    ("train_dppo.py", ["--clip_ratio", "0"], "--clip_ratio 0.0: must be > 0"),
+    ("train_dppo.py", ["--loss", "flow_grpo", "--clip_ratio", "0"], "--clip_ratio 0.0: must be > 0"),
     ("train_dppo.py", ["--kl_mask_threshold", "nan"], "--kl_mask_threshold nan: must be > 0"),
     ("train_nft.py", ["--mix_beta", "0"], "--mix_beta 0.0: must be > 0"),
     ("train_nft.py", ["--timestep_fraction", "1.5"], "--timestep_fraction 1.5: must be in (0, 1]"),
@@ -67,6 +68,12 @@ def test_an_algorithm_flag_out_of_range_is_refused_at_parse_time(monkeypatch, ca
         parse(["--model_path", "m", "--train_files", "t", *flags])
     assert info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [f"{trainer}: error: {line} (see {trainer} --help)"]
+
+
+def test_a_flag_the_chosen_loss_ignores_is_not_checked():
+    train_dppo.parse_args(["--model_path", "m", "--train_files", "t", "--clip_ratio", "0"])  # Flow-DPPO: unused
+    train_dppo.parse_args(["--model_path", "m", "--train_files", "t", "--loss", "flow_grpo", "--kl_mask_threshold",
+                           "0"])
 
 
 @pytest.mark.parametrize("trainer, flag, value, owner", [("train_dppo.py", "--mix_beta", "0.1", "train_nft.py"),

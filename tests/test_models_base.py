@@ -47,7 +47,6 @@ def test_each_family_class_carries_what_the_code_asks_a_family(tiny_models):
         family_class("flux")
 
 
-
 def test_released_chat_is_each_pipelines_layout_and_vllm_omni_text_inverts_it():
     """The [system, user] chat each released pipeline encodes for a text: Qwen-Image one system prompt; Boogu the
     T2I prompt for a text and the TI2I prompt for the empty default negative (the upstream quirk, kept)."""
@@ -67,6 +66,7 @@ def test_released_chat_is_each_pipelines_layout_and_vllm_omni_text_inverts_it():
         for text in ("a cat", 'the word "OPEN"', cls.default_negative_prompt):
             system, user = (m["content"] for m in cls.released_chat(text))
             assert cls.vllm_omni_text(system, user) == text
+
 
 def test_unknown_class_name_raises(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))

@@ -4,6 +4,7 @@ torchrun (tests/_training_fsdp_worker.py: FSDP2 + LoRA + activation checkpointin
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
@@ -93,6 +94,7 @@ def test_fsdp2_lora_two_ranks(tmp_path):
     assert r0["on_rank0"][2] == r1["on_rank0"][2] == "RuntimeError: OSError: lock held (simulated)"
     assert all(s["actor/rank"] == 0.5 for s in r0["steps"])  # mean over ranks of 0 and 1
     assert all((s["actor/rank_max"], s["actor/rank_min"]) == (1.0, 0.0) for s in r0["steps"] + r1["steps"])
+    assert all(math.isnan(s["actor/nan_on_rank1_max"]) for s in r0["steps"] + r1["steps"])
     # the unused LoRA (blocks.2.ff) has no Adam state; the checkpoint round trip keeps exactly that
     assert r0["params_with_state"] == r1["params_with_state"] == [10, 10, 12]
     # sharded training equals an unsharded model trained on the full global batch

@@ -93,6 +93,7 @@ def test_a_stop_after_a_skipped_update_does_not_save_that_step(tmp_path, monkeyp
     """Like a due checkpoint, a stop's does not write weights that just gave NaN/inf: with --keep_last they could
     push out the last good checkpoint."""
     boat, stepper, written, closed = make_boat(tmp_path, monkeypatch)
+    boat.checkpoint(2, due=False, skipped=False, last=False)  # step 2 applied: held (--save_on_exit last_step)
     stepper.consecutive_skips = 1
     if signum:
         boat.stop_signals = SimpleNamespace(signum=signum, received_at=0.0)
@@ -100,8 +101,9 @@ def test_a_stop_after_a_skipped_update_does_not_save_that_step(tmp_path, monkeyp
         boat.args.max_wall_time_s = 1e-9
     with pytest.raises(SystemExit):
         boat.stop_if_asked(3, started_at=0.0)
-    assert written == [] and closed == [True]
-    assert "step 3 not saved: its update was skipped (non-finite)" in capsys.readouterr().out
+    assert written == [("at_once", 2)] and closed == [True]  # the held good step, not step 3
+    out = capsys.readouterr().out
+    assert "step 3 not saved: its update was skipped (non-finite)" in out and "step_00000002" in out
 
 
 def test_no_stop_asked_runs_on(tmp_path, monkeypatch):

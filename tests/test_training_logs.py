@@ -6,6 +6,7 @@ run metadata."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -141,6 +142,10 @@ def test_metric_accumulator_timer_perf_progress():
     for ratio_max, ratio_min in ((1.0, 1.0), (torch.tensor(3.0), torch.tensor(0.5)), (1.0, 1.0)):
         acc.add({"actor/ratio_max": ratio_max, "actor/ratio_min": ratio_min, "actor/kl": 0.25})
     assert acc.reduce() == {"actor/ratio_max": 3.0, "actor/ratio_min": 0.5, "actor/kl": 0.25}
+    acc.add({"actor/ratio_max": float("nan"), "actor/ratio_min": torch.tensor(float("inf"))})
+    acc.add({"actor/ratio_max": 2.0, "actor/ratio_min": 1.0})
+    reduced = acc.reduce()
+    assert math.isnan(reduced["actor/ratio_max"]) and reduced["actor/ratio_min"] == 1.0  # a NaN is never hidden
     timings: dict[str, float] = {}
     with T.timer("gen", timings):
         pass

@@ -193,9 +193,10 @@ def bench_family(family: str, path: str, args, device: torch.device, dtype: torc
         size = dict(height=args.height, width=args.width)
         image_tokens = (args.height // 16) * (args.width // 16)
         text_tokens = prompt.mask.sum(1).tolist()  # valid tokens of each prompt
-        # one CFG velocity = a forward of each branch (the model's FLOP formula: matmuls, 2 per multiply-add)
-        velocity_tflop = (model.forward_flops(image_tokens, text_tokens)
-                          + model.forward_flops(image_tokens, negative.mask.sum(1).tolist())) / 1e12
+        # one CFG velocity = a forward of each branch, one without CFG (the model's FLOP formula: matmuls, 2 per
+        # multiply-add)
+        velocity_tflop = (model.forward_flops(image_tokens, text_tokens) + (
+            model.forward_flops(image_tokens, negative.mask.sum(1).tolist()) if args.scale > 1 else 0.0)) / 1e12
 
         def velocity(mode: bool) -> torch.Tensor:
             model.cfg_batch = mode

@@ -100,19 +100,23 @@ class Lifeboat:
             self._stop(done, signum, wall, over_budget, started_at)
 
     def _stop(self, done: int, signum: int, wall: bool, over_budget: bool, started_at: float) -> None:
-        """Checkpoint at step `done` (unless it is already saved, its update was skipped, like `checkpoint`'s
-        deferral, or SIGTERM's --stop_save_budget_s ran out), print one line, close, exit: 0 for --max_wall_time_s,
-        128 + signal number for a signal."""
+        """Checkpoint at step `done` (unless it is already saved or SIGTERM's --stop_save_budget_s ran out; when its
+        update was skipped, like `checkpoint`'s deferral, the held last good step instead), print one line, close,
+        exit: 0 for --max_wall_time_s, 128 + signal number for a signal."""
         args = self.args
         path = None
         saved_already = done <= max(self.start_step, self.last_saved_step)
         skipped = self.stepper.consecutive_skips > 0  # its weights just gave NaN/inf: never ahead of a good one
-        if not saved_already and not over_budget and not skipped:
+        if skipped and not over_budget:  # the held last good step instead, if it is not on disk yet (rank 0)
+            path = self.write_snapshot(f"the stop at step {done}, whose update was skipped")
+            if dist.is_initialized() and self.world > 1:
+                dist.barrier()  # the other ranks wait for rank 0's write before they exit
+        elif not saved_already and not over_budget:
             path = self.save(done)
         latest = path or (find_latest(self.ckpt_root) if self.rank == 0 else None)
         where = f"--resume auto (checkpoint {latest})" if latest else "--resume auto (no checkpoint yet: step 0)"
-        reason = ("" if path or saved_already else
-                  f"; step {done} not saved: its update was skipped (non-finite)" if skipped else
+        reason = (f"; step {done} not saved: its update was skipped (non-finite)" if skipped and not saved_already
+                  else "" if path or saved_already else
                   f"; no checkpoint written: the step ended more than --stop_save_budget_s "
                   f"{args.stop_save_budget_s:g} s after the signal")
         if signum:

@@ -12,6 +12,7 @@ import copy
 import datetime
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -230,34 +231,35 @@ class MetricAccumulator:
             self.counts[key] = self.counts.get(key, 0) + 1
 
     def reduce(self) -> dict[str, float]:
-        """Over this rank's adds, then over ranks (one or two collectives); clears the accumulator."""
+        """Over this rank's adds, then over ranks (one or two collectives); clears the accumulator. Both vectors
+        have one slot per key: the SUM one holds a mean key's mean and an extreme key's NaN flag (so a NaN on any
+        rank is NaN everywhere: MAX does not propagate NaN across ranks), the MAX one an extreme key's signed value
+        (NaN read as -inf) and -inf elsewhere."""
         keys = sorted(self.sums)
-        means = [k for k in keys if not self.extreme_sign(k)]
-        extremes = [k for k in keys if self.extreme_sign(k)]
+        signs = [self.extreme_sign(k) for k in keys]
         device = next((v.device for v in self.sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
         world = get_world_size()
         key_hash = float(int(hashlib.sha1("\n".join(keys).encode()).hexdigest(), 16) % (2**40))
-        parts = [torch.as_tensor(self.sums[k], dtype=torch.float64, device=device).reshape(1) / self.counts[k]
-                 for k in means]
+        values = [torch.as_tensor(self.sums[k], dtype=torch.float64, device=device).reshape(1) for k in keys]
+        sums = [v.isnan().double() if sign else v / self.counts[k] for k, v, sign in zip(keys, values, signs)]
         tail = torch.tensor([float(len(keys)), key_hash], dtype=torch.float64, device=device)
-        vec = torch.cat(parts + [tail])
-        ext = torch.cat([self.extreme_sign(k) * torch.as_tensor(self.sums[k], dtype=torch.float64,
-                                                                 device=device).reshape(1) for k in extremes]
-                        + [torch.zeros(0, dtype=torch.float64, device=device)])
+        vec = torch.cat(sums + [tail])
+        ext = torch.cat([(sign * v).nan_to_num(nan=-math.inf) if sign else torch.full_like(v, -math.inf)
+                         for v, sign in zip(values, signs)] + [tail[:0]])
         self.sums, self.counts = {}, {}
         if world > 1 and dist.is_initialized():
             dist.all_reduce(vec)  # vectors of different lengths make this collective itself fail
-        values = vec.tolist()
-        if values[-1] != key_hash * world or values[-2] != len(keys) * world:
+        reduced = vec.tolist()
+        if reduced[-1] != key_hash * world or reduced[-2] != len(keys) * world:
             raise RuntimeError(
                 f"MetricAccumulator.reduce: ranks logged different metric keys (rank {get_rank()} has {keys}); "
                 f"log the same keys on every rank"
             )
-        if extremes and world > 1 and dist.is_initialized():
+        if any(signs) and world > 1 and dist.is_initialized():
             dist.all_reduce(ext, op=dist.ReduceOp.MAX)
-        out = {k: values[i] / world for i, k in enumerate(means)}
-        out.update({k: self.extreme_sign(k) * v for k, v in zip(extremes, ext.tolist())})
-        return out
+        extremes = ext.tolist()
+        return {k: (reduced[i] / world if not sign else math.nan if reduced[i] > 0 else sign * extremes[i])
+                for i, (k, sign) in enumerate(zip(keys, signs))}
 
 
 def reward_metrics(

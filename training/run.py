@@ -186,9 +186,10 @@ class Run:
     def end_step(self, step: int, metrics: dict[str, float], timings: Mapping[str, float], step_start: float,
                  epoch: int) -> None:
         """The tail of a step: timing and throughput metrics, TensorBoard (flushed), the progress line, a line per
-        skipped (non-finite) optimizer step and the --max_consecutive_skips stop, validation every --test_freq steps
-        and at the end, a checkpoint every --save_freq steps and at the end (one due on a step that ended skipped is
-        deferred to the next applied one; `Lifeboat.note_updates`, `Lifeboat.checkpoint`). Collective."""
+        skipped (non-finite) optimizer step and the --max_consecutive_skips stop, a checkpoint every --save_freq steps
+        and at the end (one due on a step that ended skipped is deferred to the next applied one;
+        `Lifeboat.note_updates`, `Lifeboat.checkpoint`), then validation every --test_freq steps and at the end.
+        Collective."""
         args = self.args
         if self.lr_scheduler is not None:  # the step's updates are done (actor/lr logged the lr they used)
             self.lr_scheduler.step()
@@ -205,9 +206,10 @@ class Run:
         self.logger.flush()  # a crash later loses no logged step (a resume purges the replayed ones)
         skipped_now = self.lifeboat.note_updates(step, self.model.transformer)  # the divergence stop
         last = step == args.total_training_steps
+        # the checkpoint first: a validation that fails (a judge down) then loses nothing of this step
+        self.lifeboat.checkpoint(step, due=step % args.save_freq == 0 or last, skipped=skipped_now, last=last)
         if self.val_data is not None and ((args.test_freq and step % args.test_freq == 0) or last):
             self.validate(step)
-        self.lifeboat.checkpoint(step, due=step % args.save_freq == 0 or last, skipped=skipped_now, last=last)
 
     def close(self) -> None:
         self.rollout.close()
