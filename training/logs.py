@@ -237,7 +237,8 @@ class MetricAccumulator:
         (NaN read as -inf) and -inf elsewhere."""
         keys = sorted(self.sums)
         signs = [self.extreme_sign(k) for k in keys]
-        device = next((v.device for v in self.sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        tensors = [v for v in self.sums.values() if isinstance(v, torch.Tensor)]
+        device = next((v.device for v in tensors if v.device.type != "cpu"), torch.device("cpu"))  # a GPU one first
         world = get_world_size()
         key_hash = float(int(hashlib.sha1("\n".join(keys).encode()).hexdigest(), 16) % (2**40))
         values = [torch.as_tensor(self.sums[k], dtype=torch.float64, device=device).reshape(1) for k in keys]
