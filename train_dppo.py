@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.sde_window_size is not None:  # the window must fit the range within the rollout's steps
         try:
             sde_window_starts(args.num_inference_steps, args.sde_window_size,
-                              int_pair(args.sde_window_range) if args.sde_window_range else None, [])
+                              int_pair(args.sde_window_range) if args.sde_window_range else None, [],
+                              sde_type=args.sde_type)
         except ValueError as e:
             parser.error(f"--sde_window_size / --sde_window_range / --num_inference_steps: {e}")
     parser.check_ranges(args, [("kl_mask_threshold", lambda v: v > 0, "> 0")] if args.loss == "flow_dppo" else

@@ -114,7 +114,8 @@ class RolloutRequest:
         if self.return_log_probs and self.noise_level == 0:
             raise ValueError("return_log_probs needs noise_level > 0 (an ODE rollout has no transition density)")
         if self.sde_window_size is not None:
-            sde_window_starts(self.num_inference_steps, self.sde_window_size, self.sde_window_range, [])
+            sde_window_starts(self.num_inference_steps, self.sde_window_size, self.sde_window_range, [],
+                              sde_type=self.sde_type)
         elif self.sde_window_range is not None:
             raise ValueError("sde_window_range needs sde_window_size (without it every step but the last is "
                              "stochastic and trained)")

@@ -31,20 +31,26 @@ def row_seed(seed: int, global_step: int, row: int) -> int:
 
 
 def sde_window_starts(
-    num_steps: int, window_size: int | None, window_range: Sequence[int] | None, generators: Sequence[torch.Generator]
+    num_steps: int, window_size: int | None, window_range: Sequence[int] | None, generators: Sequence[torch.Generator],
+    sde_type: str = "sde",
 ) -> list[int]:
     """First step of each sample's SDE window.
 
     ``window_size=None``: the window is steps [0, N-1) for everyone (every step but the last is stochastic and
     trained). Otherwise start ~ UniformInt{lo, ..., hi - w} from the sample's generator with ``(lo, hi) =
-    window_range`` (default (0, 5), verl-omni's fallback); the window is [start, start + w).
+    window_range`` (default (0, 5), verl-omni's fallback); the window is [start, start + w). For ``sde_type="cps"``
+    the range must end before the last step: its noise scale is sigma_next = 0 there, a deterministic transition
+    with no log-prob to train.
     """
     if window_size is None:
         return [0] * len(generators)
     lo, hi = (0, 5) if window_range is None else (int(window_range[0]), int(window_range[1]))
-    if window_size < 1 or lo < 0 or hi - window_size < lo or hi > num_steps:
+    last = num_steps - 1 if sde_type == "cps" else num_steps
+    if window_size < 1 or lo < 0 or hi - window_size < lo or hi > last:
         raise ValueError(
             f"sde_window_size={window_size} does not fit sde_window_range=({lo}, {hi}) within {num_steps} steps"
+            + (" (cps: the last step is deterministic, so the range must end by step N - 1)"
+               if sde_type == "cps" else "")
         )
     return [int(torch.randint(lo, hi - window_size + 1, (1,), generator=g).item()) for g in generators]
 

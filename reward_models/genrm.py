@@ -504,6 +504,19 @@ class GenRMLocalReader:
             ]},
         ]
 
+    def sample(self, inputs: Any, gen_kwargs: dict[str, Any], start: int) -> torch.Tensor:
+        """`generate` with sampling, from a forked RNG (the CPU's and the judge device's, the only ones seeded), so
+        the caller's RNG state is as before. On the caller's thread only: a fork restores the state it saved, so
+        it would rewind another thread's draws (`training.flags.check_rollout_lag` refuses that layout)."""
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            if self.sampling.seed is not None:
+                torch.random.default_generator.manual_seed(self.sampling.seed + start)
+                if cuda:
+                    with torch.cuda.device(self.device):
+                        torch.cuda.manual_seed(self.sampling.seed + start)  # this device only
+            return self.model.generate(**inputs, **gen_kwargs)
+
     @torch.no_grad()
     def transcribe(self, images: Sequence[Image.Image]) -> list[JudgeReply]:
         replies: list[JudgeReply] = []
@@ -518,11 +531,9 @@ class GenRMLocalReader:
                 gen_kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p)
             else:
                 gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-            # Sampling draws from a forked RNG, so the judge never moves the caller's (trainer's) global RNG state.
-            cuda = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=cuda):
-                if self.sampling.seed is not None:
-                    torch.manual_seed(self.sampling.seed + start)
+            if self.sampling.temperature > 0:
+                out = self.sample(inputs, gen_kwargs, start)
+            else:  # greedy draws nothing: no RNG is touched (the scorer may run beside the trainer's update)
                 out = self.model.generate(**inputs, **gen_kwargs)
             new_tokens = out[:, inputs["input_ids"].shape[1]:]  # (B, T), padded after each row's end token
             texts = self.processor.batch_decode(new_tokens, skip_special_tokens=True)

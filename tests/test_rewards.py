@@ -593,6 +593,20 @@ def test_genrm_local_backend_tiny_qwen3_vl(tiny_models):
     # Left-padded batched greedy decoding equals one-at-a-time decoding.
     reader = scorer.ocr_reader()
     assert reader.transcribe([R.to_pil(images[1])]) == [replies[1]]
+    # Greedy decoding draws no random numbers, so it touches no RNG: a fork there (in the scorer's thread) would
+    # rewind the draws the trainer's update makes meanwhile.
+    def no_fork(*a, **k):
+        raise AssertionError("greedy decoding forked the RNG")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.random, "fork_rng", no_fork)
+        assert reader.transcribe([R.to_pil(images[1])]) == [replies[1]]
+    # Sampling with a seed: reproducible, and the caller's RNG state is as before
+    sampling = R.RewardScorer(R.RewardConfig(ocr_backend="local", genrm_model_path=path, genrm_device="cpu",
+                                             sampling=R.SamplingConfig(temperature=1.0, max_tokens=6, seed=3)))
+    before = torch.get_rng_state()
+    first = sampling.ocr_reader().transcribe([R.to_pil(images[0])])
+    assert torch.equal(torch.get_rng_state(), before)
+    assert sampling.ocr_reader().transcribe([R.to_pil(images[0])]) == first
     # The prompt the model sees: system message, then the image, then the transcription instruction.
     ids = reader.processor.apply_chat_template([reader.messages(R.to_pil(images[0]))], tokenize=True,
                                                add_generation_prompt=True)

@@ -83,6 +83,11 @@ def test_sde_window_starts():
     assert again == starts
     with pytest.raises(ValueError, match="does not fit"):
         sampler.sde_window_starts(4, 3, (0, 5), gens[:1])
+    # cps: the last transition has noise scale sigma_next = 0 (deterministic), so no window may cover it
+    assert sampler.sde_window_starts(6, 2, (0, 6), [], sde_type="sde") == []
+    with pytest.raises(ValueError, match="cps: the last step is deterministic"):
+        sampler.sde_window_starts(6, 2, (0, 6), [], sde_type="cps")
+    assert sampler.sde_window_starts(6, 2, (0, 5), gens[:1], sde_type="cps")[0] <= 3
 
 
 def test_request_rejects_unknown_keys_and_bad_values():

@@ -125,6 +125,10 @@ def test_lagged_rollout_needs_its_own_gpus(monkeypatch):
     assert T.check_rollout_lag(args(rollout_devices="cuda:3")) is None
     assert T.check_rollout_lag(args(rollout_policy_lag=0)) is None
     assert T.check_rollout_lag(args(device="cpu", rollout_devices="cpu")) is None
+    # the local judge scores the lagged rollout during the update: sampling there would race the update's RNG
+    local = dict(rollout_devices="cuda:3", ocr_backend="local")
+    assert "--genrm_temperature 0 (greedy)" in T.check_rollout_lag(args(**local, genrm_temperature=0.7))
+    assert T.check_rollout_lag(args(**local, genrm_temperature=0.0)) is None
     # no pending rollout at a checkpoint (exact resume) and none after the last step
     def run(lag: int = 1, save_pending: bool = False):
         return SimpleNamespace(args=argparse.Namespace(rollout_policy_lag=lag, total_training_steps=6, save_freq=3),

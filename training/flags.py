@@ -277,7 +277,8 @@ def parse_lora_init(value: str) -> bool | str:
 
 def check_rollout_lag(args) -> str | None:
     """Why --rollout_policy_lag 1 cannot run with these flags (None when it can): sampling step k+1 while step k
-    trains needs rollout GPUs that no trainer rank uses; on a shared GPU both would run at once, in one GPU's memory."""
+    trains needs rollout GPUs that no trainer rank uses (on a shared GPU both would run at once, in one GPU's
+    memory), and no local judge that samples (its RNG fork would race the update's draws)."""
     if not getattr(args, "rollout_policy_lag", 0):
         return None
     devices = [d.strip() for d in args.rollout_devices.split(",")]
@@ -292,6 +293,11 @@ def check_rollout_lag(args) -> str | None:
                 f"cuda:0..cuda:{local_world - 1}), where the lagged rollout would sample during the update on the same "
                 "GPU; reserve rollout GPUs "
                 "(e.g. --rollout_devices cuda:3 with 3 trainer ranks) or drop the lag")
+    if getattr(args, "ocr_backend", None) == "local" and getattr(args, "genrm_temperature", 0.0) > 0:
+        return (f"--rollout_policy_lag 1 with --ocr_backend local and --genrm_temperature {args.genrm_temperature:g}: "
+                "the lagged rollout's rewards are scored during the update, and the local judge's sampling RNG "
+                "would rewind the update's noise draws; use --genrm_temperature 0 (greedy), --ocr_backend http, or "
+                "drop the lag")
     return None
 
 
