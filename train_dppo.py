@@ -70,19 +70,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("Flow-DPPO's add_kl_coefficient assumes sde_type=sde (cps has no √-dt transition scale)")
     if not args.noise_level > 0:
         parser.error("--noise_level must be > 0: Flow-DPPO/GRPO train on the SDE's transition densities")
+    window_range = None
     if args.sde_window_range is not None:
         if args.sde_window_size is None:
             parser.error("--sde_window_range needs --sde_window_size (without it every step but the last is trained; "
                          "a run started with it alone resumes with it dropped and --resume_force: it had no effect)")
         try:
-            int_pair(args.sde_window_range)
+            window_range = int_pair(args.sde_window_range)
         except ValueError as e:
             parser.error(f"--sde_window_range {e}")
     if args.sde_window_size is not None:  # the window must fit the range within the rollout's steps
         try:
-            sde_window_starts(args.num_inference_steps, args.sde_window_size,
-                              int_pair(args.sde_window_range) if args.sde_window_range else None, [],
-                              sde_type=args.sde_type)
+            sde_window_starts(args.num_inference_steps, args.sde_window_size, window_range, [], sde_type=args.sde_type)
         except ValueError as e:
             parser.error(f"--sde_window_size / --sde_window_range / --num_inference_steps: {e}")
     parser.check_ranges(args, [("kl_mask_threshold", lambda v: v > 0, "> 0")] if args.loss == "flow_dppo" else

@@ -15,7 +15,7 @@ import torch.distributed as dist
 __all__ = [
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "launch_rank", "get_world_size", "get_local_rank",
     "is_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
-    "raise_if_any_rank_failed", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S", "scores_http_judge"
+    "raise_if_any_rank_failed", "run_phase", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S", "scores_http_judge"
 ]
 
 # What a collective waits beyond the longest per-phase timeout of the run before giving up (see collective_timeout_s)
@@ -48,6 +48,22 @@ def raise_if_any_rank_failed(error: BaseException | None, what: str, *, exc_type
         if group is not None:
             rank = dist.get_global_rank(group, rank)
         raise exc_type(f"{what} failed on rank {rank}: {message}")
+
+
+def run_phase(fn: Callable[[], Any], what: str,
+              fail: Callable[[BaseException | None, str], None] = raise_if_any_rank_failed) -> Any:
+    """`fn()`, this rank's part of phase `what`, then `fail(its exception or None, what)` on every rank alike
+    (collective: `raise_if_any_rank_failed`, or a trainer's `Run.raise_fatal`, which also writes the last finished
+    step), so one rank's error ends every rank with it instead of leaving the others in a later collective.
+    Returns `fn()`'s result."""
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
+        error = e
+    fail(error, what)
+    return result
 
 
 def on_rank0(fn: Callable[[], Any], *, catch: tuple[type, ...], exc_type: type, what: str = "",

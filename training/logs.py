@@ -203,9 +203,9 @@ class MetricAccumulator:
 
     Tensor values stay on their device until `reduce()` (no host sync per micro-batch for callers that pass
     tensors, e.g. the losses' metrics; float and tensor values give the same bits: both are summed in float64 in
-    the same order). The rank reduction is ONE all_reduce (SUM) of a float64 vector [means..., key count, key hash],
-    plus one (MAX) of the extremes when there are any; every rank must have added the same keys (a different key
-    set is detected and raised, never silently averaged).
+    the same order). The rank reduction is ONE all_reduce (SUM) of a float64 vector [a slot per key..., key count,
+    key hash], plus one (MAX) of the extremes when there are any (`reduce`); every rank must have added the same
+    keys (a different key set is detected and raised, never silently averaged).
     """
 
     def __init__(self) -> None:

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any, Sequence
 
-from .distributed import get_rank
+from .distributed import get_rank, run_phase
 from .logs import rollout_grid
 from .scoring import (JUDGE_LOG, JudgeNotReading, JudgeReplyCounts, RewardStream, sum_over_ranks, judge_records,
                       judge_reply_counts, log_judge_replies, nonfinite_rows, score_inputs, score_samples)
@@ -60,11 +60,7 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
     step whose adapter the workers sampled with, as they report it) to `timings`. A failure on any rank (a frozen
     worker seen by a node's driver, a failed judge) ends every rank with that error (`raise_if_any_rank_failed`).
     Every --judge_log_freq-th `step` the judge's raw replies go to <output_dir>/judge_replies.jsonl. Collective."""
-    error: BaseException | None = None
-    result = scored = None
-    stats: dict[str, float] = {}
-    bad: list[int] = []
-    try:
+    def collect_and_score():
         lagged = run.rollout.has_pending
         if not lagged:
             submit_rollout(run, request, rows)
@@ -74,10 +70,11 @@ def rollout_and_score(run, request, rows: Sequence[Any], timings: dict[str, floa
             start = time.perf_counter()
             scored = score_samples(run.scorer, result.images, rows, run.args.rollout_n, bad)
             stats["timing_s/reward"] = stats["timing_s/reward_total"] = time.perf_counter() - start
-    except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
-        error = e
+        return result, scored, stats, bad
+
     phase = f"the rollout{f' of step {step}' if step is not None else ''}"
-    run.raise_fatal(error, phase)  # every rank raises alike, after the last finished step was written
+    # every rank raises alike, after the last finished step was written
+    result, scored, stats, bad = run_phase(collect_and_score, phase, run.raise_fatal)
     counts = [int(c) for c in sum_over_ranks([len(bad), *judge_reply_counts(scored).as_list()])]
     nonfinite, replies = counts[0], JudgeReplyCounts(*counts[1:])
     stats["rollout/nonfinite_samples"] = float(nonfinite)

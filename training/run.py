@@ -11,13 +11,13 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 import torch
 from models import lora
 from models.base import attention_backend
 
 from .distributed import (RankFailed, cleanup_distributed, collective_timeout_s, get_rank, init_distributed,
-                          on_rank0, raise_if_any_rank_failed, seed_everything)
+                          on_rank0, raise_if_any_rank_failed, run_phase, seed_everything)
 from .lifecycle import (RunLock, RunLockError, install_collective_explainer, say_from_thread, start_heartbeats,
                         stop_at_once_on_signals, watch_parent)
 from .lifeboat import Lifeboat
@@ -126,23 +126,10 @@ class Run:
         failure on any rank (a rollout worker that died) ends every rank with its message, after the last finished
         step was written (`raise_fatal`)."""
         self.rollout_adapter, self.rollout_version = adapter, step
-        return self.guarded(lambda: sync_rollout_adapter(self.rollout, self.model.transformer, adapter,
-                                                         self.lora_config, self.adapters_root, step,
-                                                         self.num_lora_modules,
-                                                         engine_names=self.args.rollout_engine == "vllm_omni"),
-                            f"the adapter sync of step {step}")
-
-    def guarded(self, fn: Callable[[], Any], what: str) -> Any:
-        """`fn()`, this rank's part of phase `what`; an exception on any rank ends every rank through `raise_fatal`.
-        Collective."""
-        error: BaseException | None = None
-        result = None
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
-            error = e
-        self.raise_fatal(error, what)
-        return result
+        return run_phase(lambda: sync_rollout_adapter(self.rollout, self.model.transformer, adapter, self.lora_config,
+                                                      self.adapters_root, step, self.num_lora_modules,
+                                                      engine_names=self.args.rollout_engine == "vllm_omni"),
+                         f"the adapter sync of step {step}", self.raise_fatal)
 
     def raise_fatal(self, error: BaseException | None, what: str) -> None:
         """Collective: every rank hears whether any rank failed in phase `what` (`raise_if_any_rank_failed`); if one
@@ -170,11 +157,11 @@ class Run:
         swap = val_adapter is not None and self.rollout_adapter is not None and val_adapter != self.rollout_adapter
         if swap:
             published = self.rollout.versions_published
-            self.guarded(lambda: sync_rollout_adapter(
+            run_phase(lambda: sync_rollout_adapter(
                 self.rollout, self.model.transformer, val_adapter, self.lora_config,
                 os.path.join(self.args.output_dir, "val_adapters"), step, self.num_lora_modules,
                 engine_names=self.args.rollout_engine == "vllm_omni", label=f"val-{val_adapter}-v{step}"),
-                f"the validation adapter load of step {step}")
+                f"the validation adapter load of step {step}", self.raise_fatal)
         metrics = validate(self.rollout, self.scorer, self.val_data, self.args, step, self.cfg_scale, self.logger,
                            fail=self.raise_fatal)
         if swap:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from .distributed import get_rank, get_world_size, raise_if_any_rank_failed
+from .distributed import get_rank, get_world_size, raise_if_any_rank_failed, run_phase
 from .logs import (all_gather_objects, gather_first_images, image_grid, prompt_text, sample_caption, timer,
                    validation_metrics)
 from .rollouts import rollout_request
@@ -41,8 +41,8 @@ def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float,
     rank's samples that came back finite, `val-aux/nonfinite_samples` (the others: never scored, their records'
     reward NaN and "nonfinite": True), plus `timing_s/testing`. `rollout_client`: anything with `generate(RolloutRequest)` (the
     trainers' DistributedRollout, evaluate.py's NativeEngine). A failure of this rank's sampling or scoring ends
-    every rank alike through `fail(error, phase)` (collective; a trainer's `Run.raise_fatal` also writes the last
-    finished step) instead of leaving the others waiting in the gather below. Collective."""
+    every rank alike through `run_phase(..., fail)` (a trainer's `Run.raise_fatal` also writes the last finished
+    step) instead of leaving the others waiting in the gather below. Collective."""
     world, rank = get_world_size(), get_rank()
     total = len(dataset) if not args.val_max_samples else min(len(dataset), args.val_max_samples)
     if total < world:
@@ -54,14 +54,11 @@ def run_validation(rollout_client, scorer, dataset, args, *, cfg_scale: float,
         request = rollout_request(rows, n=1, first_row=start, seed=args.val_seed, step=1,
                                   num_inference_steps=args.val_num_inference_steps, height=args.height,
                                   width=args.width, cfg_scale=cfg_scale, noise_level=0.0)
-        error: BaseException | None = None
-        try:
+        def sample_and_score():
             result = rollout_client.generate(request)
             bad = nonfinite_rows(result)  # never scored: their images are not a policy's samples
-            scored = score_samples(scorer, result.images, rows, 1, bad)
-        except Exception as e:  # noqa: BLE001 - re-raised on this rank, and its message on every other one
-            error = e
-        fail(error, "the validation")
+            return result, bad, score_samples(scorer, result.images, rows, 1, bad)
+        result, bad, scored = run_phase(sample_and_score, "the validation", fail)
     local = []
     for j, row in enumerate(rows):
         record = {"index": row.index, "data_source": row.data_source, "ground_truth": row.ground_truth,
