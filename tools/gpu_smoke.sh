@@ -14,7 +14,7 @@ python3 data_prep/make_demo_data.py --model boogu_image --output_dir "$OUT/data_
 COMMON=(--device cuda --precision bf16 --rollout_devices cuda:1 --rollout_dtype bfloat16 --height 128 --width 128
         --num_inference_steps 6 --val_num_inference_steps 6 --train_batch_size 4 --rollout_n 8 --micro_batch_size 8
         --lora_rank 8 --lora_alpha 16 --lr 1e-3 --total_training_steps 3 --save_freq 3 --val_max_samples 4
-        --resume never --activation_checkpointing)
+        --resume never --activation_checkpointing --fsdp always)  # one trainer rank still shards (auto would not)
 torchrun --nproc_per_node=1 train_dppo.py --model_path "$TINY_MODELS_DIR/qwen_image" \
   --train_files "$OUT/data_qwen/train.parquet" --val_files "$OUT/data_qwen/test.parquet" \
   --sde_window_size 2 --sde_window_range 0,4 --true_cfg_scale 4.0 "${COMMON[@]}" --output_dir "$OUT/dppo_qwen"
