@@ -186,9 +186,10 @@ class GenRMHttpReader:
     deadlines, HTTP 408/429/5xx and malformed replies are retried `max_retries` times with exponential backoff
     (`backoff_s`, doubling up to GENRM_MAX_BACKOFF_S); a judge that cannot be reached at all (refused, reset: a
     restart) is retried on time instead, for up to `retry_total_s` since the first attempt, so a restart of a
-    minute is ridden out. One request takes at most `request_budget_s()`; other HTTP errors (400, 404, ...)
-    are not retried. When a request still fails, the whole batch raises `GenRMServerError` naming the URL, the
-    image and the last error: a failed judge never becomes a zero reward.
+    minute is ridden out. One request takes at most `genrm_request_budget_s(timeout_s, max_retries, backoff_s,
+    retry_total_s)`; other HTTP errors (400, 404, ...) are not retried. When a request still fails, the whole
+    batch raises `GenRMServerError` naming the URL, the image and the last error: a failed judge never becomes a
+    zero reward.
 
     `url` may list several judge replicas, comma-separated (`--genrm_url` repeated or `URL1,URL2`): requests start
     on the replicas in turn (round-robin), and each retry of a request goes to the next replica, so one replica
@@ -218,10 +219,6 @@ class GenRMHttpReader:
         self.retry_total_s = retry_total_s
         self.api_key = api_key
         self._pool = DaemonThreadPool(concurrency, name="genrm")
-
-    def request_budget_s(self) -> float:
-        """The longest one request can take: every attempt's deadline plus the backoff sleeps between them."""
-        return genrm_request_budget_s(self.timeout_s, self.max_retries, self.backoff_s, self.retry_total_s)
 
     def request_body(self, image: Image.Image) -> dict:
         body = {

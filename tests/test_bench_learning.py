@@ -76,7 +76,14 @@ def test_efficiency_ratio_with_its_spread_and_bounds():
     assert never["ratio"] is None and never["lower_bound"] == pytest.approx(100 / 15)
     assert B.efficiency_ratio([None], [5.0])["ratio"] is None
     one = B.efficiency_ratio([10.0], [25.0])
-    assert one["ratio"] == pytest.approx(2.5) and one["std"] == 0.0
+    assert one["ratio"] == pytest.approx(2.5) and one["std"] == 0.0 and one["std_total"] == 0.0
+    # the calibrations' relative errors (shared by all seeds of an algorithm) add once to the seeds' variance
+    cal = B.efficiency_ratio([10.0, 20.0], [30.0, 50.0, 40.0], calibration_cv=(0.03, 0.04))
+    assert cal["std"] == pytest.approx(r["std"])
+    assert cal["std_total"] == pytest.approx(40 / 15 * math.sqrt((math.sqrt(50) / 15) ** 2 + (10 / 40) ** 2
+                                                                  + 0.03 ** 2 + 0.04 ** 2))
+    assert B.efficiency_ratio([10.0], [25.0], calibration_cv=(0.03, 0.04))["std_total"] == pytest.approx(1.25 * 0.05 * 2)
+    assert B._ratio_text(cal).startswith(f"2.67x ± {cal['std_total']:.2f} [")
 
 
 def test_band_interpolates_every_curve_onto_the_common_points():
@@ -90,6 +97,12 @@ def test_band_interpolates_every_curve_onto_the_common_points():
 
 def test_calibration_step_budget_scale_and_eta():
     assert B.calibration_times([3.0, 1.0, 2.0]) == (3.0, 1.5) and B.calibration_times([2.0]) == (2.0, 2.0)
+    cal = {"nft": {"step_times": [9.0, 5.0, 7.0, 6.0], "t_first_t_rest": [9.0, 6.0], "t_rest_se": 1 / math.sqrt(3)},
+           "dppo": {"step_times": [4.0, 2.0], "t_first_t_rest": [4.0, 2.0], "t_rest_se": None}}
+    assert B.calibration_cv(cal, ["nft", "dppo"]) == {"nft": pytest.approx(1 / math.sqrt(3) / 6), "dppo": 0.0}
+    assert B.calibration_cv(cal, ["dppo"])["nft"] == 0.0             # runs timed on their own steps: no such error
+    assert B.calibration_text(cal["nft"]) == "step 1 9.00 s, then 6.00 ± 0.58 s/step (se over 3 steps)"
+    assert B.calibration_text(cal["dppo"]) == "step 1 4.00 s, then 2.00 s/step (se over 1 step)"
     assert [B.calibrated_gpu_seconds(s, 3.0, 1.5) for s in (0, 1, 4)] == [0.0, 3.0, 7.5]
     assert B.steps_for_budget(120, 5.0, 3.5, 6) == (30, 6)   # 1 + floor(115 / 3.5) = 33 fit -> 5 x 6
     assert B.steps_for_budget(10, 1.0, 1.0, 5) == (10, 2)
@@ -379,6 +392,11 @@ def test_main_calibrates_alone_then_runs_seeds_concurrently(tiny_models, tmp_pat
     doc = json.loads((out / B.FILES["json"]).read_text())
     assert doc["complete"] is True and "solo calibration" in doc["gpu_seconds_source"]
     assert doc["calibration"]["nft"]["t_first_t_rest"] == [2.0, 1.0]
+    assert doc["calibration"]["nft"]["t_rest_se"] == 0.0                   # later steps 1, 1: no spread
+    calibrations = [line for line in (out / B.FILES["markdown"]).read_text().splitlines()
+                    if line.startswith("Solo calibrations: ")]
+    assert len(calibrations) == 1 and "DiffusionNFT step 1 2.00 s, then 1.00 ± 0.00 s/step (se over 2 steps)" in \
+        calibrations[0]
     nft = doc["runs"]["nft_s0"]
     # calibrated: steps 0, 2, 4 at 0, 2 + 1, 2 + 3; the shared runs' own 3 s/step kept aside
     assert [p["gpu_seconds"] for p in nft["curve"]] == pytest.approx([0.0, 3.0, 5.0])

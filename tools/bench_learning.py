@@ -3,7 +3,7 @@ several seeds, against one lr = 0 control, from one model folder, scored by the 
 held-out prompt; held-out reward, its standard error and exact-match accuracy against GPU-seconds, with error bars.
 
     python3 tools/bench_learning.py --model_path MODEL --train_files train.parquet --val_files test.parquet \
-        --out_dir OUT --work_dir outputs/bench_learning_runs --concurrent 9 --resume   # one GPU
+        --out_dir OUT --work_dir outputs/bench_learning_runs --concurrent 10 --resume  # one GPU
     python3 tools/bench_learning.py --smoke --out_dir /tmp/bench_smoke            # CPU: tiny Qwen-Image, 64², 2 steps
 
 Runs (each `torchrun --nproc_per_node 1` in its own process group, the trainer rank and its rollout worker sharing
@@ -79,8 +79,8 @@ START_POINT = (
     "64 words x 4 held-out templates), one sample each with the fixed seed rollout.row_seed(val_seed 42, 1, prompt "
     "index), 20-step ODE, 128x128, true CFG 1.0, rapidocr reward (mean over prompts, its standard error, and exact "
     "match). It is every run's step-0 evaluation and the control's value at every step. Measured for ocr_mini on "
-    "one H200 (2026-12-04, docs/lab/measurements/2026-12-04/bench_learning_h200.json): reward 0.417 +- 0.022 (standard "
-    "error over prompts), exact match 0.191.")
+    "one H200 (2026-12-04, docs/lab/measurements/2026-12-04/bench_learning_h200.json; the same to every digit on "
+    "2026-12-05): reward 0.417 +- 0.022 (standard error over prompts), exact match 0.191.")
 
 # Why each setting is what it is (printed by --help, copied into the JSON and the markdown).
 WHY: dict[str, str] = {
@@ -106,6 +106,17 @@ WHY: dict[str, str] = {
         "Flow-DPPO/GRPO +0.094, flow_grpo's GRPO +0.122 (3 seeds each); at 1e-3 DiffusionNFT +0.137 (2 seeds) but "
         "Flow-DPPO +0.086 (2), Flow-GRPO +0.064 (1) and flow_grpo's GRPO +0.018 (1: 0.558 at 85 GPU-s, then "
         "0.434). --set lr=1e-3 runs that value."),
+    "budget": (
+        "--budget_s 240 GPU-seconds of training per run; each algorithm runs the steps that fill it at its "
+        "calibrated step time, rounded down to a multiple of the evaluation interval (so 200-215 GPU-s run). "
+        "Measured on one H200: at 120 (2026-12-04) DiffusionNFT was still rising, +0.114 +- 0.002 over the control "
+        "in 102 GPU-s (3 seeds); at 240 (2026-12-05, docs/lab/measurements/2026-12-05/) it reached +0.164 +- 0.018 "
+        "in 202 GPU-s, still rising, and Flow-DPPO +0.151 +- 0.064 in 212 (its seeds ended 0.511-0.636)."),
+    "calibration": (
+        "--calibration_steps 8 solo steps per algorithm; its step time is the mean of steps 2-8 (step 1 holds "
+        "compilation and the workers' warm-up) and that mean's standard error widens the efficiency ratios' +- "
+        "(an error shared by every seed of the algorithm). Single steps vary: one 4-step calibration of the control "
+        "(2026-12-04) had later steps of 2.1, 2.6 and 4.8 s."),
     "seeds": (
         "--seeds runs per trained algorithm (trainer --seed 42, 43, ...: rollout noise and data order), the "
         "control once; the table gives mean +- std over seeds. The held-out prompts and their seeds stay fixed."),
@@ -217,16 +228,21 @@ def time_to_gain(curve: Sequence[tuple[float, float]], gain: float, *, interpola
 
 
 def efficiency_ratio(t_nft: Sequence[float | None], t_other: Sequence[float | None],
-                     other_end: Sequence[float] = ()) -> dict[str, Any]:
+                     other_end: Sequence[float] = (), calibration_cv: tuple[float, float] = (0.0, 0.0),
+                     ) -> dict[str, Any]:
     """How many times the GPU-seconds DiffusionNFT needed the other algorithm needs for the same held-out gain:
     t_nft / t_other are the per-seed GPU-seconds to that gain (None = not reached), other_end the other's per-seed
-    final GPU-seconds. Over the seeds that reached it: ratio = mean(t_other) / mean(t_nft), its std by the delta
-    method, sqrt(cv_other^2 + cv_nft^2) * ratio (cv = std / mean over seeds), and min / max over every seed pair.
+    final GPU-seconds. Over the seeds that reached it: ratio = mean(t_other) / mean(t_nft), its std over seeds by
+    the delta method, std = ratio * sqrt(cv_other^2 + cv_nft^2) (cv = std / mean over seeds), and min / max over
+    every seed pair. `calibration_cv` = (c_nft, c_other), the relative standard errors of the two algorithms'
+    calibrated step times (0 for runs timed on their own steps): an error shared by all seeds of one algorithm, so
+    it adds to the ratio's variance once, std_total = ratio * sqrt(cv_other^2 + cv_nft^2 + c_nft^2 + c_other^2).
     If DiffusionNFT reached the gain and the other never did, only a lower bound: min(other_end) / mean(t_nft).
     'reached' gives the counts as 'k/n'."""
     a = [t for t in t_nft if t is not None]
     b = [t for t in t_other if t is not None]
-    out: dict[str, Any] = {"ratio": None, "std": None, "min": None, "max": None, "lower_bound": None,
+    out: dict[str, Any] = {"ratio": None, "std": None, "std_total": None, "calibration_cv": list(calibration_cv),
+                           "min": None, "max": None, "lower_bound": None,
                            "reached": {"nft": f"{len(a)}/{len(t_nft)}", "other": f"{len(b)}/{len(t_other)}"}}
     if not a:
         return out
@@ -238,7 +254,9 @@ def efficiency_ratio(t_nft: Sequence[float | None], t_other: Sequence[float | No
     mean_b, std_b = mean_std(b)
     ratio = mean_b / mean_a
     pairs = [y / x for x in a for y in b]
-    out.update(ratio=ratio, std=ratio * math.sqrt((std_a / mean_a) ** 2 + (std_b / mean_b) ** 2),
+    seeds_var = (std_a / mean_a) ** 2 + (std_b / mean_b) ** 2
+    out.update(ratio=ratio, std=ratio * math.sqrt(seeds_var),
+               std_total=ratio * math.sqrt(seeds_var + sum(c ** 2 for c in calibration_cv)),
                min=min(pairs), max=max(pairs))
     return out
 
@@ -409,6 +427,7 @@ class RunRecord:
     train_curve: list[dict[str, float]]           # step, gpu_seconds, reward (critic/rewards/mean)
     timing_s: dict[str, float]                    # sums of timing_s/* over the run (testing = validation)
     grids: dict[str, tuple[int, bytes]] = field(default_factory=dict)   # "before"/"after" -> (step, PNG)
+    calibrated: bool = False                      # curve placed on a solo calibration (it shared the GPU)
 
     @property
     def gpu_seconds(self) -> float:
@@ -465,7 +484,8 @@ def read_run(run_dir: str, *, calibration: tuple[float, float] | None = None,
     train_curve = [{"step": s, "gpu_seconds": gpu[s], "reward": v} for s, v in m.get(TRAIN_REWARD_KEY, [])
                    if s <= steps]
     timing = {k.split("/", 1)[1]: sum(v for _, v in vals) for k, vals in m.items() if k.startswith("timing_s/")}
-    record = RunRecord(steps=steps, step_times=step_times, curve=curve, train_curve=train_curve, timing_s=timing)
+    record = RunRecord(steps=steps, step_times=step_times, curve=curve, train_curve=train_curve, timing_s=timing,
+                       calibrated=calibration is not None)
     grids = images(run_dir, GRID_TAG)
     if grids:
         first, last = min(grids), max(grids)
@@ -676,23 +696,45 @@ def summarize_algorithm(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def efficiency(per_algo: Mapping[str, Mapping[str, Any]], per_run_end: Mapping[str, Sequence[float]],
-               reference: str = "nft") -> dict[str, dict[str, Any]]:
+               reference: str = "nft", calibration_cv: Mapping[str, float] | None = None,
+               ) -> dict[str, dict[str, Any]]:
     """{other algorithm: {gain: efficiency_ratio(reference's per-seed GPU-seconds to the gain, the other's)}} for
-    every trained algorithm other than the reference (the control excluded)."""
+    every trained algorithm other than the reference (the control excluded). `calibration_cv`: per algorithm, the
+    relative standard error of the calibrated step time its runs were placed on (absent: 0)."""
     if reference not in per_algo:
         return {}
+    cv = calibration_cv or {}
     out = {}
     for name, s in per_algo.items():
         if name in (reference, "control"):
             continue
         out[name] = {f"{g:g}": efficiency_ratio(per_algo[reference]["gpu_seconds_to_gain"][f"{g:g}"]["per_seed"],
-                                                s["gpu_seconds_to_gain"][f"{g:g}"]["per_seed"], per_run_end[name])
+                                                s["gpu_seconds_to_gain"][f"{g:g}"]["per_seed"], per_run_end[name],
+                                                (cv.get(reference, 0.0), cv.get(name, 0.0)))
                      for g in GAINS}
     return out
 
 
+def calibration_cv(calibration: Mapping[str, Mapping[str, Any]], placed: Sequence[str]) -> dict[str, float]:
+    """{algorithm: t_rest_se / t_rest} for the algorithms in `placed` (their runs' GPU-seconds came from their solo
+    calibration); 0 for the others and where the calibration measured no spread (fewer than three steps)."""
+    out = {}
+    for name, c in calibration.items():
+        se, t_rest = c.get("t_rest_se"), c["t_first_t_rest"][1]
+        out[name] = se / t_rest if name in placed and se is not None and t_rest > 0 else 0.0
+    return out
+
+
+def calibration_text(c: Mapping[str, Any]) -> str:
+    """One calibration as text: 'step 1 12.15 s, then 3.13 ± 0.12 s/step (se over 7 steps)'."""
+    t_first, t_rest = c["t_first_t_rest"]
+    rest = len(c["step_times"]) - 1
+    se = "" if c.get("t_rest_se") is None else f" ± {c['t_rest_se']:.2f}"
+    return f"step 1 {t_first:.2f} s, then {t_rest:.2f}{se} s/step (se over {rest} step{'s' * (rest != 1)})"
+
+
 def targets(per_algo: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Issue 28's targets per trained algorithm: mean gain over the control >= 0.05 (DiffusionNFT: >= 0.15) and
+    """The benchmark's targets per trained algorithm: mean gain over the control >= 0.05 (DiffusionNFT: >= 0.15) and
     >= 3 standard errors over seeds."""
     out = {}
     for name, s in per_algo.items():
@@ -713,7 +755,7 @@ def _pm(stat: Mapping[str, Any] | None, spec: str = ".3f", sign: str = "") -> st
 
 def _ratio_text(r: Mapping[str, Any]) -> str:
     if r["ratio"] is not None:
-        return f"{r['ratio']:.2f}x ± {r['std']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
+        return f"{r['ratio']:.2f}x ± {r.get('std_total', r['std']):.2f} [{r['min']:.2f}-{r['max']:.2f}]"
     if r["lower_bound"] is not None:
         return f"> {r['lower_bound']:.2f}x"
     return "-"
@@ -838,8 +880,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="runs per trained algorithm, trainer seeds 42, 43, ... (default 3; 1 with --smoke)")
     p.add_argument("--budget_s", type=float, default=None,
                    help="GPU-seconds of training per run; each algorithm runs the steps that fill it at its "
-                        "calibrated step time (default 120: Flow-DPPO at 256 per update reached +0.07 in 42 "
-                        "GPU-s and +0.1 in 112 on 2026-12-04)")
+                        "calibrated step time (default 240; why: 'budget' below)")
     p.add_argument("--steps", type=int, default=None, help="this many steps per run instead of --budget_s")
     p.add_argument("--evals", type=int, default=6,
                    help="held-out evaluations after step 0 per run (every ceil(steps / evals) steps, the last "
@@ -848,8 +889,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="multiply every algorithm's prompts per step by this (the same factor for all)")
     p.add_argument("--concurrent", type=int, default=1,
                    help="trainers sharing the GPU at a time; > 1 takes GPU-seconds from solo calibration runs")
-    p.add_argument("--calibration_steps", type=int, default=4,
-                   help="steps of each algorithm's solo calibration run (needed for --budget_s or --concurrent > 1)")
+    p.add_argument("--calibration_steps", type=int, default=8,
+                   help="steps of each algorithm's solo calibration run (needed for --budget_s or --concurrent > 1); "
+                        "the mean of steps 2.. is the step time, its standard error enters the efficiency ratios "
+                        "(default 8; why: 'calibration' below)")
     p.add_argument("--ocr_workers", type=int, default=None,
                    help="RapidOCR processes per run (default cores - 2, <= 16; 1 with --smoke). Per run, not "
                         "split over the concurrent runs: the solo calibrations score with as many, so a step's "
@@ -880,7 +923,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.smoke and args.steps is None and args.budget_s is None:
         args.steps = 2
     if args.budget_s is None:
-        args.budget_s = 120.0
+        args.budget_s = 240.0
     if args.seeds < 1 or args.concurrent < 1 or args.calibration_steps < 1 or args.evals < 1 or args.scale <= 0:
         p.error("--seeds, --concurrent, --calibration_steps and --evals must be >= 1, --scale > 0")
     if not args.smoke and not (args.model_path and args.train_files and args.val_files):
@@ -958,13 +1001,14 @@ def main(argv=None) -> dict[str, Any]:
                 rec = read_run(job.run_dir, need_validation=False)
                 state["calibration"][job.algo.name] = {"step_times": rec.step_times,
                                                        "t_first_t_rest": calibration_times(rec.step_times),
+                                                       "t_rest_se": standard_error(rec.step_times[1:]),
                                                        "steps": rec.steps}
             say(f"== calibrating {', '.join(algos)}: {args.calibration_steps} solo steps each, no validation")
             run_jobs([Job(f"calibrate_{n}", a, calibration_flags(base[n], args.calibration_steps),
                           os.path.join(work_dir, f"calibrate_{n}"), kind="calibration") for n, a in algos.items()],
                      1, timeout_s=args.timeout_s, say=say, on_done=calibrated, resume=args.resume)
             for n, c in state["calibration"].items():
-                say(f"   {n}: step 1 {c['t_first_t_rest'][0]:.2f} s, then {c['t_first_t_rest'][1]:.2f} s/step")
+                say(f"   {n}: {calibration_text(c)}")
         # 2. the runs: control once, then seed after seed of every trained algorithm
         jobs = []
         for n, a in algos.items():
@@ -1065,7 +1109,8 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
         runs[name].update(summarize_run(rec, control))
     per_algo = {a: summarize_algorithm([runs[n] for n in names]) for a, names in by_algo.items()}
     ends = {a: [runs[n]["end"]["gpu_seconds"] for n in names] for a, names in by_algo.items()}
-    eff = efficiency(per_algo, ends)
+    placed = [a for a, names in by_algo.items() if any(records[n].calibrated for n in names)]
+    eff = efficiency(per_algo, ends, calibration_cv=calibration_cv(state["calibration"], placed))
     rows = table_rows(per_algo, eff, labels, state["settings"])
     start = control.curve[0] if control else None
     doc = {**header, "complete": complete, "pending": [j.name for j in jobs if j.name not in runs],
@@ -1089,7 +1134,11 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
         "Gain vs control: mean ± std over seeds of (end - start) - the control's (end - start), se = std / sqrt(n). "
         "GPU-s to +g: over the seeds that reached start + g (interpolated between evaluations), k/n reached. NFT "
         "efficiency: the other's GPU-seconds to the gain / DiffusionNFT's (ratio of seed means ± delta-method "
-        "std [min-max over seed pairs]; '> x' when the other never reached it).",
+        "std over seeds and, for runs placed on a solo calibration, the calibrated step times' standard errors "
+        "[min-max over seed pairs]; '> x' when the other never reached it).",
+        *(["Solo calibrations: " + "; ".join(f"{labels.get(n, n)} {calibration_text(c)}"
+                                             for n, c in state["calibration"].items()) + "."]
+          if state["calibration"] else []),
         "Command: `python3 tools/bench_learning.py " + " ".join(header["argv"]) + "`"]) + "\n"
     with open(os.path.join(out_dir, FILES["markdown"]), "w", encoding="utf-8") as f:
         f.write(markdown)
