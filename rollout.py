@@ -33,7 +33,7 @@ from engines.contract import ENGINES, RolloutRequest, RolloutResult
 from engines.layout import (COLOCATED, AdapterBuffer, adapter_layout, adapter_sources, gpu_index, layout_numel,
                             node_worker_devices, resolve_sync, worker_cuda_devices)
 from engines.native import NativeEngine
-from engines.protocol import ProtocolError, recv_message, send_message, handshake_error, peer_info
+from engines.protocol import ProtocolError, recv_message, send_message_within, handshake_error, peer_info
 from engines.sampler import rl_denoise, row_seed
 from engines.worker import ENTRY_SCRIPT, RolloutEnvError, worker_process_env, check_rollout_python
 
@@ -226,10 +226,7 @@ class RolloutGroup:
                 self.workers.append(_Worker(index, device, process, log_path, ipc_index))
             ours = peer_info()
             for worker in self.workers:  # the handshake: both sides send theirs, each refuses an incompatible peer
-                try:
-                    send_message(worker.process.stdin, {"op": "hello", **ours})
-                except (BrokenPipeError, OSError):
-                    raise self._fail(worker, "is gone (could not send the handshake)") from None
+                self._send(worker, {"op": "hello", **ours}, "the handshake", startup_timeout_s)
             for worker in self.workers:
                 problem = handshake_error(ours, self._read(worker, startup_timeout_s, "the handshake"),
                                           peer=f"rollout worker {worker.index} ({worker.devices})")
@@ -250,6 +247,14 @@ class RolloutGroup:
         self.close()
         self.closed_reason = f"rollout worker {worker.index} ({worker.devices}) {what}"
         return RolloutError(f"{self.closed_reason}; stderr tail ({worker.log_path}):\n{worker.stderr_tail()}")
+
+    def _send(self, worker: _Worker, message: dict, what: str, timeout_s: float) -> None:
+        try:
+            send_message_within(worker.process.stdin.fileno(), message, timeout_s)
+        except TimeoutError:  # before OSError: it is one
+            raise self._fail(worker, f"did not read {what} within {timeout_s:.0f} s (alive, not reading)") from None
+        except OSError:
+            raise self._fail(worker, f"is gone (could not send {what})") from None
 
     def _read(self, worker: _Worker, timeout_s: float, what: str) -> dict:
         stdout = worker.process.stdout
@@ -281,10 +286,7 @@ class RolloutGroup:
         if not self.workers:
             raise RolloutError(f"the rollout group is closed{': ' + self.closed_reason if self.closed_reason else ''}")
         for worker, message in zip(self.workers, messages):
-            try:
-                send_message(worker.process.stdin, message)
-            except (BrokenPipeError, OSError):
-                raise self._fail(worker, f"is gone (could not send {what})") from None
+            self._send(worker, message, what, self.timeout_s)
         replies = [self._read(worker, self.timeout_s, what) for worker in self.workers[: len(messages)]]
         for worker, reply in zip(self.workers, replies):
             if not reply.get("ok"):
@@ -315,10 +317,7 @@ class RolloutGroup:
         bounds = [round(i * n / k) for i in range(k + 1)]
         for i, worker in enumerate(self.workers[:k]):
             message = {"op": "generate", "request": request.select(range(bounds[i], bounds[i + 1])).to_dict()}
-            try:
-                send_message(worker.process.stdin, message)
-            except (BrokenPipeError, OSError):
-                raise self._fail(worker, "is gone (could not send generate)") from None
+            self._send(worker, message, "generate", self.timeout_s)
         self._pending = PendingRollout(self, request, [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(k)],
                                        on_chunk)
         return self._pending

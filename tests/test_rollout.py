@@ -115,6 +115,41 @@ def test_request_rejects_unknown_keys_and_bad_values():
         RolloutRequest.from_dict(dict(good, sde_type="dance", noise_level=1.0))
 
 
+def test_send_message_within_gives_up_on_a_peer_that_stopped_reading():
+    big = {"op": "x", "payload": torch.arange(1 << 20, dtype=torch.int32)}  # 4 MiB: far past a full pipe (64 KiB)
+    read_fd, write_fd = os.pipe()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="within 0.5 s"):
+            protocol.send_message_within(write_fd, big, 0.5)
+        assert 0.5 <= time.monotonic() - start < 5 and os.get_blocking(write_fd)   # blocking mode restored
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    # a peer that reads gets the whole frame (its raw pipe reads come short)
+    read_fd, write_fd = os.pipe()
+    received = {}
+
+    def reader():
+        with os.fdopen(read_fd, "rb", buffering=0) as stream:
+            received["message"] = protocol.recv_message(stream)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    protocol.send_message_within(write_fd, big, 60)
+    thread.join(60)
+    os.close(write_fd)
+    assert torch.equal(received["message"]["payload"], big["payload"])
+    # a peer that has gone; a message that is not plain data is refused before anything is written
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    with pytest.raises(BrokenPipeError):
+        protocol.send_message_within(write_fd, {"op": "y"}, 5)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.send_message_within(write_fd, {"op": object()}, 5)
+    os.close(write_fd)
+
+
 def test_message_framing_round_trip():
     import io
 
@@ -243,6 +278,20 @@ def test_hung_worker_times_out_and_is_killed(tiny_models):
         group.generate(request_for("boogu_image_base"))
     process.wait(timeout=30)  # close() killed it
     assert process.poll() is not None
+
+
+def test_a_worker_that_stops_reading_fails_the_send_at_the_timeout(tiny_models):
+    group = RolloutGroup(os.path.join(tiny_models, "boogu_image_base"), ["cpu"], threads_per_worker=1, timeout_s=3)
+    process = group.workers[0].process
+    os.kill(process.pid, signal.SIGSTOP)  # alive, but it reads nothing: a large request fills the pipe
+    prompts = ["a sign that says " + "x" * (1 << 20)] * 2                 # 2 MiB of request
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match="did not read generate within 3 s"):
+        group.submit(request_for("boogu_image_base", n_per_prompt=1, prompts=prompts,
+                                 seeds=[1, 2], negative_prompts=["", ""]))
+    assert time.monotonic() - start < 30
+    process.wait(timeout=30)  # close() killed it
+    assert group.workers == []
 
 
 def test_worker_that_cannot_load_reports_why(tmp_path):
