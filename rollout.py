@@ -35,7 +35,7 @@ from engines.layout import (COLOCATED, AdapterBuffer, adapter_layout, adapter_so
 from engines.native import NativeEngine
 from engines.protocol import ProtocolError, recv_message, send_message_within, handshake_error, peer_info
 from engines.sampler import rl_denoise, row_seed
-from engines.worker import ENTRY_SCRIPT, RolloutEnvError, worker_process_env, check_rollout_python
+from engines.worker import RolloutEnvError, worker_command, worker_process_env, check_rollout_python
 
 # what code outside uses as `rollout.X` (the contract, the in-process engine and the trainers' helpers)
 __all__ = [
@@ -200,7 +200,6 @@ class RolloutGroup:
         self.closed_reason = ""
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="rollout-logs-")
         os.makedirs(self.log_dir, exist_ok=True)
-        script = ENTRY_SCRIPT
         try:
             for index, device in enumerate(devices):
                 worker_env = worker_process_env(env)
@@ -211,14 +210,11 @@ class RolloutGroup:
                     local_device = "cuda:0"
                 log_path = os.path.join(self.log_dir, f"rollout-worker-{index}.log")
                 log = open(log_path, "ab")
-                command = [python or sys.executable, script, "--worker", "--engine", engine, "--model-path", model_path,
-                           "--device", local_device, "--dtype", dtype, "--max-batch-size", str(max_batch_size),
-                           "--threads", str(threads_per_worker), "--attention-backend", attention_backend,
-                           "--parent-pid", str(os.getpid())] \
-                    + (["--cfg-batch"] if cfg_batch else []) + (["--compile-blocks"] if compile_blocks else []) \
-                    + (["--profile-generate", str(profile_generate),
-                       "--profile-path", os.path.join(self.log_dir, f"profile-worker-{index}.json.gz")]
-                      if profile_generate > 0 else [])
+                command = worker_command(
+                    python, engine=engine, model_path=model_path, device=local_device, dtype=dtype,
+                    max_batch_size=max_batch_size, threads=threads_per_worker, attention_backend=attention_backend,
+                    cfg_batch=cfg_batch, compile_blocks=compile_blocks, profile_generate=profile_generate,
+                    profile_path=os.path.join(self.log_dir, f"profile-worker-{index}.json.gz"))
                 # unbuffered: select() on the pipe then sees every byte the worker wrote
                 process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                            env=worker_env, bufsize=0)
@@ -413,6 +409,7 @@ class DistributedRollout:
         import torch.distributed as dist
 
         self.distributed = dist.is_available() and dist.is_initialized()
+        self.keepalive_s = min(60.0, collective_timeout_s / 10) if collective_timeout_s else 60.0
         self.node_group, self.node_root = None, 0
         local_rank, local_world = 0, 1
         if self.distributed:
@@ -436,7 +433,7 @@ class DistributedRollout:
                                       devices=devices)
         self.adapter_sources = adapter_sources(devices, local_world_size=local_world, trainer_device=trainer_device)
         self.feeds_workers = self.sync_mode == "tensors" and local_rank in self.adapter_sources
-        self._local_rank = local_rank
+        self._local_rank, self._node_world = local_rank, local_world
         self.device = torch.device(f"cuda:{local_rank}" if trainer_device == "cuda" else "cpu")
         # a worker samples on this rank's GPU: hand it the cached memory before every rollout
         self.shares_gpu = trainer_device == "cuda" and local_rank in [gpu_index(d) for d in devices]
@@ -475,56 +472,49 @@ class DistributedRollout:
         self._release_trainer_cache()
         if not self.distributed:
             return self.group.generate(request)
-        import torch.distributed as dist
+        gathered = self._node_gather(request.to_dict())
 
-        size = dist.get_world_size(self.node_group)
-        gathered: list[Any] = [None] * size if self.is_driver else None
-        dist.gather_object(request.to_dict(), gathered, dst=self.node_root, group=self.node_group)
-        parts: list[Any] = [None] * size
-        if self.is_driver:
-            error, result, sizes = None, None, []
+        def driver_work() -> list[Any]:
             try:
                 requests = [RolloutRequest.from_dict(r) for r in gathered]
-                sizes = [len(r) for r in requests]
-                result = self.group.generate(RolloutRequest.concat(requests))
+                result, start, parts = self.group.generate(RolloutRequest.concat(requests)), 0, []
+                for r in requests:
+                    parts.append({"result": result.select(range(start, start + len(r))).to_dict()})
+                    start += len(r)
+                return parts
             except Exception as e:  # every rank of the node must hear about it, not hang in the scatter
-                error = f"{type(e).__name__}: {e}"
-            start = 0
-            for i in range(size):
-                if error:
-                    parts[i] = {"error": error}
-                else:
-                    parts[i] = {"result": result.select(range(start, start + sizes[i])).to_dict()}
-                    start += sizes[i]
-        mine: list[Any] = [None]
-        dist.scatter_object_list(mine, parts if self.is_driver else None, src=self.node_root, group=self.node_group)
-        if "error" in mine[0]:
-            raise RolloutError(f"rollout failed on this node: {mine[0]['error']}")
-        return RolloutResult(**mine[0]["result"])
+                return [{"error": f"{type(e).__name__}: {e}"}] * len(gathered)
+
+        mine = self._node_scatter(self._while_drivers_work(driver_work))
+        if "error" in mine:
+            raise RolloutError(f"rollout failed on this node: {mine['error']}")
+        return RolloutResult(**mine["result"])
 
     def load_adapter(self, adapter_dir: str, version: str) -> list[int]:
         """Every node's workers load the adapter; returns this node's per-worker bound-module counts on every rank
         of the node. Collective over the node's ranks."""
-        counts: Any = None
-        error = None
+        return self._load_on_driver(lambda: self.group.load_adapter(adapter_dir, version),
+                                    f"adapter {adapter_dir} could not be loaded by the rollout workers")
+
+    def _load_on_driver(self, load: Callable[[], list[int]], failure: str) -> list[int]:
+        """An adapter version loaded by `load()` on the driver: its counts on every rank of the node, or on every
+        rank `RolloutError(f"{failure}: <the driver's error>")`; counts the version published. Collective."""
+        counts, error = None, None
         if self.is_driver:
             try:
-                counts = self.group.load_adapter(adapter_dir, version)
+                counts = load()
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-        if not self.distributed:
-            if error:
-                raise RolloutError(error)
-            self.versions_published += 1
-            return counts
-        import torch.distributed as dist
+        if self.distributed:
+            import torch.distributed as dist
 
-        box = [{"counts": counts, "error": error}]
-        dist.broadcast_object_list(box, src=self.node_root, group=self.node_group)
-        if box[0]["error"]:
-            raise RolloutError(f"adapter {adapter_dir} could not be loaded by the rollout workers: {box[0]['error']}")
+            box = [{"counts": counts, "error": error}]
+            dist.broadcast_object_list(box, src=self.node_root, group=self.node_group)
+            counts, error = box[0]["counts"], box[0]["error"]
+        if error:
+            raise RolloutError(f"{failure}: {error}")
         self.versions_published += 1
-        return box[0]["counts"]
+        return counts
 
     # ---- overlapped rollouts, lagged rollouts and the tensor sync (the trainers' path) ------------------------
     def _release_trainer_cache(self) -> None:
@@ -540,6 +530,17 @@ class DistributedRollout:
         gathered: list[Any] = [None] * dist.get_world_size(self.node_group) if self.is_driver else None
         dist.gather_object(value, gathered, dst=self.node_root, group=self.node_group)
         return gathered
+
+    def _node_scatter(self, parts: list[Any] | None) -> Any:
+        """This rank's entry of the driver's `parts` (one per rank of the node, in node-rank order; None on the
+        other ranks). Collective over the node."""
+        if not self.distributed:
+            return parts[0]
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, parts if self.is_driver else None, src=self.node_root, group=self.node_group)
+        return box[0]
 
     @property
     def has_pending(self) -> bool:
@@ -600,9 +601,9 @@ class DistributedRollout:
         self._pending = None
         began = time.monotonic()
         lag = {"rollout/policy_lag": float(self.versions_published - state["versions"])}
-        parts: list[Any] = []
-        driver_error: Exception | None = None
-        if self.is_driver:
+
+        def driver_work() -> tuple[list[Any], Exception | None]:
+            parts: list[Any] = []
             stream = state.get("stream")
             try:
                 if "error" in state:
@@ -626,33 +627,45 @@ class DistributedRollout:
                     parts.append({"result": result.select(range(start, start + size)).to_dict(), "value": value,
                                   "stats": stats})
                     start += size
+                return parts, None
             except Exception as e:  # every rank of the node must hear about it, not hang in the scatter
-                driver_error = e
-                parts = [{"error": f"{type(e).__name__}: {e}"}] * len(state.get("sizes") or [None] * self._node_size())
+                sizes = state.get("sizes") or [None] * self._node_world
+                return [{"error": f"{type(e).__name__}: {e}"}] * len(sizes), e
             finally:
                 if stream is not None:
                     stream.close()
-        if self.distributed:
-            import torch.distributed as dist
 
-            box: list[Any] = [None]
-            dist.scatter_object_list(box, parts if self.is_driver else None, src=self.node_root,
-                                     group=self.node_group)
-            mine_part = box[0]
-        else:
-            mine_part = parts[0]
+        parts, driver_error = self._while_drivers_work(driver_work) or ([], None)
+        mine_part = self._node_scatter(parts)
         if driver_error is not None:
             raise driver_error
         if "error" in mine_part:
             raise RolloutError(f"rollout or its scoring failed on this node: {mine_part['error']}")
         return RolloutResult(**mine_part["result"]), mine_part["value"], {**mine_part["stats"], **lag}
 
-    def _node_size(self) -> int:
+    def _while_drivers_work(self, work: Callable[[], Any]) -> Any:
+        """`work()` on this node's driver (a rollout's sampling and scoring; its errors are in its value) while every
+        rank of every node waits: its value on the driver, None elsewhere. The wait is rounds of one all_reduce over
+        all ranks of at most `keepalive_s` each, so a rollout may outlast the collective timeout (a frozen rank
+        still ends the others: its round never comes)."""
         if not self.distributed:
-            return 1
+            return work()
         import torch.distributed as dist
 
-        return dist.get_world_size(self.node_group)
+        outcome: dict[str, Any] = {}
+        thread = None
+        if self.is_driver:
+            thread = threading.Thread(target=lambda: outcome.update(value=work()), name="rollout-driver", daemon=True)
+            thread.start()
+        while True:
+            if thread is not None:
+                thread.join(self.keepalive_s)
+            working = torch.tensor([float(thread is not None and thread.is_alive())], device=self.device)
+            dist.all_reduce(working, op=dist.ReduceOp.MAX)
+            if working.item() == 0:
+                if thread is not None and "value" not in outcome:
+                    raise RolloutError("the rollout driver's thread ended without a result (see the traceback above)")
+                return outcome.get("value")
 
     def load_adapter_tensors(self, buffer: AdapterBuffer | None, layout: list, config: dict[str, Any],
                              version: str) -> list[int]:
@@ -663,27 +676,15 @@ class DistributedRollout:
         # one share per worker fed: each CUDA IPC share carries its own reference count for its reader
         fed = self.adapter_sources.count(self._local_rank)
         shares = self._node_gather([buffer.share() for _ in range(fed)] if buffer is not None else None)
-        counts: Any = None
-        error = None
-        if self.is_driver:
-            try:
-                missing = sorted({s for s in self.adapter_sources if not shares[s]})
-                if missing:
-                    raise RolloutError(f"local ranks {missing} shared no adapter tensors")
-                counts = self.group.load_adapter_tensors([shares[s].pop() for s in self.adapter_sources], layout,
-                                                         config, version)
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        if self.distributed:
-            import torch.distributed as dist
 
-            box = [{"counts": counts, "error": error}]
-            dist.broadcast_object_list(box, src=self.node_root, group=self.node_group)
-            counts, error = box[0]["counts"], box[0]["error"]
-        if error:
-            raise RolloutError(f"adapter {version} (tensors) could not be loaded by the rollout workers: {error}")
-        self.versions_published += 1
-        return counts
+        def load() -> list[int]:
+            missing = sorted({s for s in self.adapter_sources if not shares[s]})
+            if missing:
+                raise RolloutError(f"local ranks {missing} shared no adapter tensors")
+            return self.group.load_adapter_tensors([shares[s].pop() for s in self.adapter_sources], layout, config,
+                                                   version)
+
+        return self._load_on_driver(load, f"adapter {version} (tensors) could not be loaded by the rollout workers")
 
     def close(self) -> None:
         state, self._pending = self._pending, None

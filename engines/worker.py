@@ -164,6 +164,18 @@ def check_rollout_python(python: str | None, engine: str, *, timeout_s: float = 
     return info
 
 
+def worker_command(python: str | None, *, engine: str, model_path: str, device: str, dtype: str, max_batch_size: int,
+                   threads: int, attention_backend: str, cfg_batch: bool, compile_blocks: bool, profile_generate: int,
+                   profile_path: str) -> list[str]:
+    """The command line of one rollout worker process (`worker_main` parses it), as `RolloutGroup` starts it."""
+    return ([python or sys.executable, ENTRY_SCRIPT, "--worker", "--engine", engine, "--model-path", model_path,
+             "--device", device, "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--threads", str(threads),
+             "--attention-backend", attention_backend, "--parent-pid", str(os.getpid())]
+            + (["--cfg-batch"] if cfg_batch else []) + (["--compile-blocks"] if compile_blocks else [])
+            + (["--profile-generate", str(profile_generate), "--profile-path", profile_path]
+               if profile_generate > 0 else []))
+
+
 def worker_main(argv: Sequence[str] | None = None) -> None:
     """Entry point of one rollout worker process (`python rollout.py --worker ...`)."""
     parser = argparse.ArgumentParser(description="rollout worker (started by RolloutGroup)")

@@ -395,3 +395,35 @@ def test_lagged_nft_samples_one_version_behind_and_resumes_exactly(tiny_models, 
     assert len(keys) > 10
     for key in keys:
         assert [v for s, v in straight[key] if s == 3] == [v for s, v in resumed[key] if s == 3], key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# two ranks under torchrun: a rollout longer than the collective timeout ends no rank
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two ranks under torchrun, a worker frozen twice for 10 s (about a minute on 2 cores)
+def test_a_rollout_longer_than_the_collective_timeout_ends_no_rank(tiny_models, tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from _training_helpers import DIST_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={port}", os.path.join(here, "_rollout_keepalive_worker.py"),
+           os.path.join(tiny_models, "qwen_image"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=400)
+    seen = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert proc.returncode == 0 and not any("error" in s for s in seen), (seen, proc.stderr[-4000:])
+    for s in seen:  # every rank waited past the node group's 4 s timeout and got its two rows
+        assert s["generate"]["rows"] == 2 and s["generate"]["waited_s"] > 10
+        assert s["collect"]["rows"] == 2 and s["collect"]["waited_s"] > 8
+    assert seen[0]["collect"]["gen_s"] > 10  # the driver's own clock: sampling took past the timeout

@@ -199,8 +199,9 @@ def add_common_args(parser) -> None:
     g.add_argument("--collective_timeout_s", type=float, default=0.0,
                    help="timeout of the process groups (main and per node); 0 = the longest per-phase timeout "
                         "(--rollout_timeout_s, --rollout_startup_timeout_s, a judge request with its retries) + "
-                        "600 s, so that a phase's error reaches every rank before a collective times out; a whole "
-                        "rollout or validation must finish within it")
+                        "600 s, so that a phase's error reaches every rank before a collective times out; a "
+                        "validation's scoring on one rank must finish within it (a longer training rollout is "
+                        "waited for in rounds of a tenth of it)")
     rewards.add_reward_args(parser)
 
 
