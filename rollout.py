@@ -24,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,7 +34,8 @@ from engines.layout import (COLOCATED, AdapterBuffer, adapter_layout, adapter_so
 from engines.native import NativeEngine
 from engines.protocol import ProtocolError, recv_message, send_message_within, handshake_error, peer_info
 from engines.sampler import rl_denoise, row_seed
-from engines.worker import RolloutEnvError, worker_command, worker_process_env, check_rollout_python
+from engines.worker import (RolloutEnvError, WorkerProcess, check_rollout_python, worker_command,
+                            worker_process_env)
 
 # what code outside uses as `rollout.X` (the contract, the in-process engine and the trainers' helpers)
 __all__ = [
@@ -47,22 +47,6 @@ __all__ = [
 
 class RolloutError(RuntimeError):
     """A rollout worker failed, died or hung; the message carries its stderr tail."""
-
-
-@dataclass
-class _Worker:
-    index: int
-    devices: str
-    process: subprocess.Popen
-    log_path: str
-    ipc_index: int | None = None  # this worker's cuda index of the trainer GPU that shares adapter tensors with it
-
-    def stderr_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return "<no log>"
 
 
 class PendingRollout:
@@ -195,7 +179,7 @@ class RolloutGroup:
         if not devices:
             raise ValueError("a rollout group needs at least one device")
         self.timeout_s = timeout_s
-        self.workers: list[_Worker] = []
+        self.workers: list[WorkerProcess] = []
         self._pending: PendingRollout | None = None
         self.closed_reason = ""
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="rollout-logs-")
@@ -219,7 +203,7 @@ class RolloutGroup:
                 process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                            env=worker_env, bufsize=0)
                 log.close()
-                self.workers.append(_Worker(index, device, process, log_path, ipc_index))
+                self.workers.append(WorkerProcess(index, device, process, log_path, ipc_index))
             ours = peer_info()
             for worker in self.workers:  # the handshake: both sides send theirs, each refuses an incompatible peer
                 self._send(worker, {"op": "hello", **ours}, "the handshake", startup_timeout_s)
@@ -239,12 +223,12 @@ class RolloutGroup:
             raise
 
     # ---- plumbing ---------------------------------------------------------------------------------------------
-    def _fail(self, worker: _Worker, what: str) -> RolloutError:
+    def _fail(self, worker: WorkerProcess, what: str) -> RolloutError:
         self.close()
         self.closed_reason = f"rollout worker {worker.index} ({worker.devices}) {what}"
         return RolloutError(f"{self.closed_reason}; stderr tail ({worker.log_path}):\n{worker.stderr_tail()}")
 
-    def _send(self, worker: _Worker, message: dict, what: str, timeout_s: float) -> None:
+    def _send(self, worker: WorkerProcess, message: dict, what: str, timeout_s: float) -> None:
         try:
             send_message_within(worker.process.stdin.fileno(), message, timeout_s)
         except TimeoutError:  # before OSError: it is one
@@ -252,7 +236,7 @@ class RolloutGroup:
         except OSError:
             raise self._fail(worker, f"is gone (could not send {what})") from None
 
-    def _read(self, worker: _Worker, timeout_s: float, what: str) -> dict:
+    def _read(self, worker: WorkerProcess, timeout_s: float, what: str) -> dict:
         stdout = worker.process.stdout
         deadline = time.monotonic() + timeout_s
         while True:
@@ -409,7 +393,8 @@ class DistributedRollout:
         import torch.distributed as dist
 
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.keepalive_s = min(60.0, collective_timeout_s / 10) if collective_timeout_s else 60.0
+        self.scoring_limit_s = collective_timeout_s or 1800.0   # `_while_drivers_work`
+        self.keepalive_s = min(60.0, self.scoring_limit_s / 10)
         self.node_group, self.node_root = None, 0
         local_rank, local_world = 0, 1
         if self.distributed:
@@ -468,24 +453,24 @@ class DistributedRollout:
         return self.group is not None
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
-        """This rank's rows of the node's combined request, in order. Collective over the node's ranks."""
+        """This rank's rows of the node's combined request, in order. Collective over all ranks."""
         self._release_trainer_cache()
         if not self.distributed:
             return self.group.generate(request)
         gathered = self._node_gather(request.to_dict())
 
-        def driver_work() -> list[Any]:
+        def driver_work() -> tuple[list[Any], Exception | None]:
             try:
                 requests = [RolloutRequest.from_dict(r) for r in gathered]
                 result, start, parts = self.group.generate(RolloutRequest.concat(requests)), 0, []
                 for r in requests:
                     parts.append({"result": result.select(range(start, start + len(r))).to_dict()})
                     start += len(r)
-                return parts
+                return parts, None
             except Exception as e:  # every rank of the node must hear about it, not hang in the scatter
-                return [{"error": f"{type(e).__name__}: {e}"}] * len(gathered)
+                return [{"error": f"{type(e).__name__}: {e}"}] * len(gathered), e
 
-        mine = self._node_scatter(self._while_drivers_work(driver_work))
+        mine = self._node_scatter(self._while_drivers_work(driver_work)[0])
         if "error" in mine:
             raise RolloutError(f"rollout failed on this node: {mine['error']}")
         return RolloutResult(**mine["result"])
@@ -586,8 +571,8 @@ class DistributedRollout:
 
     def collect(self, request: RolloutRequest, *, lagged: bool = False) -> tuple[RolloutResult, Any, dict[str, float]]:
         """This rank's rows of the pending rollout (which must have been submitted with this `request`), the
-        consumer's value for this rank (None without a consumer) and the driver's timings. Collective over the
-        node's ranks. Timings (seconds, wall clock on the node's driver): `timing_s/gen` the wait for the samples
+        consumer's value for this rank (None without a consumer) and the driver's timings. Collective over all
+        ranks. Timings (seconds, wall clock on the node's driver): `timing_s/gen` the wait for the samples
         from `submit` (or from this call when `lagged`: the samples came while the ranks trained),
         `timing_s/gen_sampling` submit to last chunk, `timing_s/reward` the consumer's work left after the last chunk
         (the part not hidden behind sampling), `timing_s/reward_total` the consumer's busy span (`busy_s()`);
@@ -635,7 +620,8 @@ class DistributedRollout:
                 if stream is not None:
                     stream.close()
 
-        parts, driver_error = self._while_drivers_work(driver_work) or ([], None)
+        parts, driver_error = self._while_drivers_work(driver_work,
+                                                       lambda: "rollout" in state and state["rollout"].done())
         mine_part = self._node_scatter(parts)
         if driver_error is not None:
             raise driver_error
@@ -643,29 +629,36 @@ class DistributedRollout:
             raise RolloutError(f"rollout or its scoring failed on this node: {mine_part['error']}")
         return RolloutResult(**mine_part["result"]), mine_part["value"], {**mine_part["stats"], **lag}
 
-    def _while_drivers_work(self, work: Callable[[], Any]) -> Any:
-        """`work()` on this node's driver (a rollout's sampling and scoring; its errors are in its value) while every
-        rank of every node waits: its value on the driver, None elsewhere. The wait is rounds of one all_reduce over
-        all ranks of at most `keepalive_s` each, so a rollout may outlast the collective timeout (a frozen rank
-        still ends the others: its round never comes)."""
+    def _while_drivers_work(self, work: Callable[[], tuple[list[Any], Exception | None]],
+                            sampled: Callable[[], bool] = lambda: False) -> tuple[list[Any], Exception | None]:
+        """`work()` on this node's driver (a rollout's sampling and scoring: the parts for the node's ranks and its
+        error) while every rank of every node waits; ([], None) on the others. The wait is rounds of one all_reduce
+        over all ranks (a CPU tensor: gloo, which the trainers' default group has) of at most `keepalive_s` each,
+        so a rollout may outlast the collective timeout; a frozen rank still ends the others (its round never
+        comes), and scoring still running `scoring_limit_s` after `sampled()` turned true ends them all alike."""
         if not self.distributed:
             return work()
         import torch.distributed as dist
 
         outcome: dict[str, Any] = {}
-        thread = None
+        thread, sampled_at, late = None, None, False
         if self.is_driver:
             thread = threading.Thread(target=lambda: outcome.update(value=work()), name="rollout-driver", daemon=True)
             thread.start()
         while True:
             if thread is not None:
                 thread.join(self.keepalive_s)
-            working = torch.tensor([float(thread is not None and thread.is_alive())], device=self.device)
+                sampled_at = sampled_at or (time.monotonic() if sampled() else None)
+                late = sampled_at is not None and time.monotonic() - sampled_at > self.scoring_limit_s
+            working = torch.tensor([float(thread is not None and thread.is_alive() and not late)])
             dist.all_reduce(working, op=dist.ReduceOp.MAX)
             if working.item() == 0:
-                if thread is not None and "value" not in outcome:
-                    raise RolloutError("the rollout driver's thread ended without a result (see the traceback above)")
-                return outcome.get("value")
+                break
+        if thread is None or "value" in outcome:
+            return outcome.get("value", ([], None))
+        error = RolloutError(f"the rollout's scoring was still running {self.scoring_limit_s:.0f} s after its last "
+                             "sample" if late else "the rollout driver's thread ended without a result (see above)")
+        return [{"error": f"RolloutError: {error}"}] * self._node_world, error
 
     def load_adapter_tensors(self, buffer: AdapterBuffer | None, layout: list, config: dict[str, Any],
                              version: str) -> list[int]:

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -162,6 +163,23 @@ def check_rollout_python(python: str | None, engine: str, *, timeout_s: float = 
     if problem:
         raise RolloutEnvError(problem)
     return info
+
+
+@dataclass
+class WorkerProcess:
+    """The trainer's handle on one started rollout worker process (`rollout.RolloutGroup` holds one per device)."""
+    index: int
+    devices: str
+    process: subprocess.Popen
+    log_path: str                 # its stderr
+    ipc_index: int | None = None  # this worker's cuda index of the trainer GPU that shares adapter tensors with it
+
+    def stderr_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "<no log>"
 
 
 def worker_command(python: str | None, *, engine: str, model_path: str, device: str, dtype: str, max_batch_size: int,

@@ -102,7 +102,7 @@ def test_calibration_step_budget_scale_and_eta():
     assert B.calibration_cv(cal, ["nft", "dppo"]) == {"nft": pytest.approx(1 / math.sqrt(3) / 6), "dppo": 0.0}
     assert B.calibration_cv(cal, ["dppo"])["nft"] == 0.0             # runs timed on their own steps: no such error
     assert B.calibration_text(cal["nft"]) == "step 1 9.00 s, then 6.00 ± 0.58 s/step (se over 3 steps)"
-    assert B.calibration_text(cal["dppo"]) == "step 1 4.00 s, then 2.00 s/step (se over 1 step)"
+    assert B.calibration_text(cal["dppo"]) == "step 1 4.00 s, then 2.00 s/step (1 later step, no spread)"
     assert [B.calibrated_gpu_seconds(s, 3.0, 1.5) for s in (0, 1, 4)] == [0.0, 3.0, 7.5]
     assert B.steps_for_budget(120, 5.0, 3.5, 6) == (30, 6)   # 1 + floor(115 / 3.5) = 33 fit -> 5 x 6
     assert B.steps_for_budget(10, 1.0, 1.0, 5) == (10, 2)

@@ -402,7 +402,7 @@ def test_lagged_nft_samples_one_version_behind_and_resumes_exactly(tiny_models, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # two ranks under torchrun, a worker frozen twice for 10 s (about a minute on 2 cores)
+@pytest.mark.slow  # two ranks under torchrun, a worker frozen twice for 10 s, a stuck scorer (~1 min, 2 cores)
 def test_a_rollout_longer_than_the_collective_timeout_ends_no_rank(tiny_models, tmp_path):
     import json
     import socket
@@ -426,4 +426,10 @@ def test_a_rollout_longer_than_the_collective_timeout_ends_no_rank(tiny_models, 
     for s in seen:  # every rank waited past the node group's 4 s timeout and got its two rows
         assert s["generate"]["rows"] == 2 and s["generate"]["waited_s"] > 10
         assert s["collect"]["rows"] == 2 and s["collect"]["waited_s"] > 8
+        for phase in ("generate", "collect"):  # in rounds (0.4 s: a tenth of the timeout), none near the timeout
+            rounds = s[phase]["rounds"]
+            assert len(rounds) >= 10 and max(rounds) < 2.0, rounds
+        # a scorer that never finishes ends both ranks alike, the scoring limit (4 s) after the last sample
+        assert "RolloutError" in s["stuck"]["error"] and "still running 4 s after its last sample" in s["stuck"]["error"]
+        assert s["stuck"]["waited_s"] < 30
     assert seen[0]["collect"]["gen_s"] > 10  # the driver's own clock: sampling took past the timeout

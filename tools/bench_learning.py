@@ -726,11 +726,13 @@ def calibration_cv(calibration: Mapping[str, Mapping[str, Any]], placed: Sequenc
 
 
 def calibration_text(c: Mapping[str, Any]) -> str:
-    """One calibration as text: 'step 1 12.15 s, then 3.13 ± 0.12 s/step (se over 7 steps)'."""
+    """One calibration as text: 'step 1 12.15 s, then 3.13 ± 0.12 s/step (se over 7 steps)', or without a spread
+    (fewer than two later steps) '... 2.00 s/step (1 later step, no spread)'."""
     t_first, t_rest = c["t_first_t_rest"]
     rest = len(c["step_times"]) - 1
-    se = "" if c.get("t_rest_se") is None else f" ± {c['t_rest_se']:.2f}"
-    return f"step 1 {t_first:.2f} s, then {t_rest:.2f}{se} s/step (se over {rest} step{'s' * (rest != 1)})"
+    if c.get("t_rest_se") is None:
+        return f"step 1 {t_first:.2f} s, then {t_rest:.2f} s/step ({rest} later step{'s' * (rest != 1)}, no spread)"
+    return f"step 1 {t_first:.2f} s, then {t_rest:.2f} ± {c['t_rest_se']:.2f} s/step (se over {rest} steps)"
 
 
 def targets(per_algo: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
