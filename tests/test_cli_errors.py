@@ -42,6 +42,44 @@ def test_misspelt_flag_is_one_line_with_a_suggestion(monkeypatch, capsys):
     assert suggest_flags("unrecognized arguments: --zzz", ["--lr"]) == "unrecognized arguments: --zzz"
 
 
+def test_a_quiet_rank_waits_for_the_first_rank_to_print_a_bad_flag(monkeypatch, capsys):
+    """Only each node's first rank prints a bad flag; the others wait for it before exiting (torchrun stops every
+    rank once one exits, which could stop the first rank before its line is out)."""
+    import training.cli as cli_module
+
+    waited = []
+    monkeypatch.setattr(cli_module.time, "sleep", waited.append)
+    monkeypatch.setattr(sys, "argv", ["train_dppo.py"])
+    for local_rank, local_world, expect_wait, expect_line in (("1", "2", True, False), ("0", "2", False, True),
+                                                              ("1", "1", False, False)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+        waited.clear()
+        with pytest.raises(SystemExit) as info:
+            train_dppo.parse_args(["--model_path", "m", "--train_files", "t", "--lerning_rate", "1e-4"])
+        assert info.value.code == 2
+        assert waited == ([cli_module.PARSE_ERROR_WAIT_S] if expect_wait else [])
+        assert ("did you mean --learning_rate?" in capsys.readouterr().err) == expect_line
+
+
+@pytest.mark.slow  # two ranks under torchrun, the first one slowed by 8 s at start-up (~30 s)
+def test_a_bad_flag_is_printed_when_the_first_rank_starts_last(flags, tmp_path):
+    """The first rank reaches argparse 8 s after the second (a loaded machine: a `sitecustomize` that sleeps on local
+    rank 0 only, test-side): its line must still be printed, and torchrun must name it as the rank that failed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os, time\nif os.environ.get('LOCAL_RANK') == '0':\n"
+                                           "    time.sleep(8)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = run_trainer("train_dppo.py", cli(**flags) + ["--lerning_rate", "1e-4"], expect_ok=False,
+                       env={"PYTHONPATH": os.pathsep.join([str(site), repo])})
+    assert trainer_lines(proc) == ["train_dppo.py: error: unrecognized arguments: --lerning_rate 1e-4; "
+                                   "--lerning_rate: did you mean --learning_rate? (see train_dppo.py --help)"], \
+        proc.stderr[-3000:]
+    torchrun_line = proc.stderr.strip().splitlines()[-1]
+    assert torchrun_line.startswith("torchrun: train_dppo.py failed: rank 0 ") and "exit code 2" in torchrun_line
+
+
 @pytest.mark.parametrize("trainer, flags, line", [
     ("train_dppo.py", ["--sde_window_range", "0,5"], "--sde_window_range needs --sde_window_size (without it every "
                                                      "step but the last is trained; a run started with it alone "

@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
@@ -76,6 +77,9 @@ def one_line_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+PARSE_ERROR_WAIT_S = 60.0  # how long a quiet rank waits for its node's first rank to print a bad flag and exit
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for the trainers: `--help` shows every default (`HelpFormatter`), no abbreviated flags, and a bad
     flag is one line on each node's first rank only (`prog: error: <what>; did you mean --x? (see prog --help)`, or
@@ -100,6 +104,10 @@ class ArgumentParser(argparse.ArgumentParser):
         if get_local_rank() == 0:
             sys.stderr.write(f"{self.prog}: error: {suggest_flags(message, flags, others)} (see {self.prog} --help)\n")
             sys.stderr.flush()
+        elif int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            # torchrun stops every rank once one exits: exiting first here could stop the node's first rank (still
+            # importing, on a loaded machine) before its line is out. Its exit ends this wait (torchrun stops us).
+            time.sleep(PARSE_ERROR_WAIT_S)
         raise SystemExit(2)
 
 
