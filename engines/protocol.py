@@ -70,18 +70,20 @@ def check_plain(value: Any, path: str = "message") -> None:
                         "e.g. a PIL image to a uint8 (3, H, W) tensor, a numpy value to a tensor or a Python number)")
 
 
-def encode_message(message: Any) -> bytes:
-    """One message as the bytes of its frame (header, then payload); `ProtocolError` unless it is plain data."""
+def encode_message(message: Any) -> tuple[bytes, bytes]:
+    """One message's frame as (header, payload), written in that order (two writes: the payload, megabytes for a
+    chunk of images, is not copied into one buffer); `ProtocolError` unless it is plain data."""
     check_plain(message)
     buffer = io.BytesIO()
     torch.save(message, buffer)
     payload = buffer.getvalue()
-    return _HEADER.pack(_MAGIC, len(payload)) + payload
+    return _HEADER.pack(_MAGIC, len(payload)), payload
 
 
 def send_message(stream, message: Any) -> None:
     """Write one message (refused with `ProtocolError` before anything is written unless it is plain data)."""
-    stream.write(encode_message(message))
+    for part in encode_message(message):
+        stream.write(part)
     stream.flush()
 
 
@@ -90,21 +92,22 @@ def send_message_within(fd: int, message: Any, timeout_s: float) -> None:
     would block a plain write for ever once the pipe is full (64 KiB; a request with images is larger): this one
     raises `TimeoutError` at the deadline instead (the frame is then cut: close the channel). A peer that has gone
     raises `BrokenPipeError`; `ProtocolError` comes before anything is written."""
-    data = memoryview(encode_message(message))
+    parts = [memoryview(part) for part in encode_message(message)]
     deadline = time.monotonic() + timeout_s
     was_blocking = os.get_blocking(fd)
     os.set_blocking(fd, False)
     try:
-        while data:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"the peer took {len(data)} bytes too few of a message within {timeout_s:g} s")
-            _, writable, _ = select.select([], [fd], [], min(remaining, 1.0))
-            if writable:
-                try:
-                    data = data[os.write(fd, data):]
-                except BlockingIOError:  # the pipe filled up again between the select and the write
-                    pass
+        for data in parts:
+            while data:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the peer did not take a whole message within {timeout_s:g} s")
+                _, writable, _ = select.select([], [fd], [], min(remaining, 1.0))
+                if writable:
+                    try:
+                        data = data[os.write(fd, data):]
+                    except BlockingIOError:  # the pipe filled up again between the select and the write
+                        pass
     finally:
         os.set_blocking(fd, was_blocking)
 

@@ -99,8 +99,8 @@ def test_calibration_step_budget_scale_and_eta():
     assert B.calibration_times([3.0, 1.0, 2.0]) == (3.0, 1.5) and B.calibration_times([2.0]) == (2.0, 2.0)
     cal = {"nft": {"step_times": [9.0, 5.0, 7.0, 6.0], "t_first_t_rest": [9.0, 6.0], "t_rest_se": 1 / math.sqrt(3)},
            "dppo": {"step_times": [4.0, 2.0], "t_first_t_rest": [4.0, 2.0], "t_rest_se": None}}
-    assert B.calibration_cv(cal, ["nft", "dppo"]) == {"nft": pytest.approx(1 / math.sqrt(3) / 6), "dppo": 0.0}
-    assert B.calibration_cv(cal, ["dppo"])["nft"] == 0.0             # runs timed on their own steps: no such error
+    assert B.calibration_errors(cal, ["nft", "dppo"]) == {"nft": pytest.approx(1 / math.sqrt(3) / 6), "dppo": 0.0}
+    assert B.calibration_errors(cal, ["dppo"])["nft"] == 0.0             # runs timed on their own steps: no such error
     assert B.calibration_text(cal["nft"]) == "step 1 9.00 s, then 6.00 ± 0.58 s/step (se over 3 steps)"
     assert B.calibration_text(cal["dppo"]) == "step 1 4.00 s, then 2.00 s/step (1 later step, no spread)"
     assert [B.calibrated_gpu_seconds(s, 3.0, 1.5) for s in (0, 1, 4)] == [0.0, 3.0, 7.5]

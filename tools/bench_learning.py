@@ -715,7 +715,7 @@ def efficiency(per_algo: Mapping[str, Mapping[str, Any]], per_run_end: Mapping[s
     return out
 
 
-def calibration_cv(calibration: Mapping[str, Mapping[str, Any]], placed: Sequence[str]) -> dict[str, float]:
+def calibration_errors(calibration: Mapping[str, Mapping[str, Any]], placed: Sequence[str]) -> dict[str, float]:
     """{algorithm: t_rest_se / t_rest} for the algorithms in `placed` (their runs' GPU-seconds came from their solo
     calibration); 0 for the others and where the calibration measured no spread (fewer than three steps)."""
     out = {}
@@ -1112,7 +1112,7 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
     per_algo = {a: summarize_algorithm([runs[n] for n in names]) for a, names in by_algo.items()}
     ends = {a: [runs[n]["end"]["gpu_seconds"] for n in names] for a, names in by_algo.items()}
     placed = [a for a, names in by_algo.items() if any(records[n].calibrated for n in names)]
-    eff = efficiency(per_algo, ends, calibration_cv=calibration_cv(state["calibration"], placed))
+    eff = efficiency(per_algo, ends, calibration_cv=calibration_errors(state["calibration"], placed))
     rows = table_rows(per_algo, eff, labels, state["settings"])
     start = control.curve[0] if control else None
     doc = {**header, "complete": complete, "pending": [j.name for j in jobs if j.name not in runs],
