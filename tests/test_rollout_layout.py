@@ -424,7 +424,7 @@ def test_a_rollout_longer_than_the_collective_timeout_ends_no_rank(tiny_models, 
     seen = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert proc.returncode == 0 and not any("error" in s for s in seen), (seen, proc.stderr[-4000:])
     for s in seen:  # every rank waited past the node group's 4 s timeout and got its two rows
-        assert s["generate"]["rows"] == 2 and s["generate"]["waited_s"] > 10
+        assert s["generate"]["rows"] == 2 and s["generate"]["waited_s"] > 8  # the freeze's clock starts just before
         assert s["collect"]["rows"] == 2 and s["collect"]["waited_s"] > 8
         for phase in ("generate", "collect"):  # in rounds (0.4 s: a tenth of the timeout), none near the timeout
             rounds = s[phase]["rounds"]
