@@ -49,6 +49,7 @@ def test_a_quiet_rank_waits_for_the_first_rank_to_print_a_bad_flag(monkeypatch, 
 
     waited = []
     monkeypatch.setattr(cli_module.time, "sleep", waited.append)
+    monkeypatch.setattr(cli_module.signal, "signal", lambda sig, handler: None)  # pytest's own handlers stay
     monkeypatch.setattr(sys, "argv", ["train_dppo.py"])
     for local_rank, local_world, expect_wait, expect_line in (("1", "2", True, False), ("0", "2", False, True),
                                                               ("1", "1", False, False)):
@@ -58,7 +59,7 @@ def test_a_quiet_rank_waits_for_the_first_rank_to_print_a_bad_flag(monkeypatch, 
         with pytest.raises(SystemExit) as info:
             train_dppo.parse_args(["--model_path", "m", "--train_files", "t", "--lerning_rate", "1e-4"])
         assert info.value.code == 2
-        assert waited == ([cli_module.PARSE_ERROR_WAIT_S] if expect_wait else [])
+        assert waited == ([cli_module.QUIET_RANK_WAIT_S] if expect_wait else [])
         assert ("did you mean --learning_rate?" in capsys.readouterr().err) == expect_line
 
 
@@ -170,6 +171,42 @@ def test_run_cli_prints_one_line_and_logs_the_traceback(tmp_path, monkeypatch, c
     last = f"{type(error).__name__}: {str(error).splitlines()[0]}"  # the traceback's last line, in the log only
     assert f"{prefix}Traceback (most recent call last):" in log, log
     assert re.search(rf"^\S+ {re.escape(prefix)}\S*{re.escape(last)}$", log, re.M), log  # after the time
+
+
+@pytest.mark.parametrize("local_rank, local_world, error, expect_wait", [
+    (1, 2, PreflightError("--height 500: use 496 or 512"), True),   # every rank raised it: the first rank prints
+    (1, 2, RankFailed("step 2 failed on rank 0"), True),
+    (0, 2, PreflightError("--height 500: use 496 or 512"), False),  # the rank that prints exits at once
+    (1, 1, PreflightError("--height 500: use 496 or 512"), False),  # no other rank on the node
+    (1, 2, RuntimeError("this rank's own"), False),                 # printed by this rank itself
+])
+def test_a_quiet_rank_waits_for_the_first_rank_to_print_a_shared_error(monkeypatch, capsys, local_rank, local_world,
+                                                                      error, expect_wait):
+    """run_cli on a rank that leaves a relayed error's line to its node's first rank waits for it (as for a bad
+    flag), with the stop signals back at their default action, so that torchrun's SIGTERM, once the first rank
+    has exited, ends the wait at once instead of becoming a stop request (or a second error)."""
+    import signal
+
+    import training.cli as cli_module
+
+    waited, handlers = [], []
+    monkeypatch.setattr(cli_module.time, "sleep", waited.append)
+    monkeypatch.setattr(cli_module.signal, "signal", lambda sig, handler: handlers.append((sig, handler)))
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+
+    def main(argv):
+        raise error
+
+    with pytest.raises(SystemExit) as info:
+        T.run_cli(main)
+    assert info.value.code == 1
+    assert waited == ([cli_module.QUIET_RANK_WAIT_S] if expect_wait else [])
+    assert sorted(handlers) == (sorted((s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+                                if expect_wait else [])
+    printed = "error: " in capsys.readouterr().err
+    assert printed == (local_rank == 0 or not expect_wait and local_world > 1)
 
 
 def test_run_cli_without_a_log_file_keeps_the_traceback_on_the_console(monkeypatch, capsys):

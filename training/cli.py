@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
 from .distributed import RankFailed, cleanup_distributed, get_local_rank, launch_rank
-from .lifecycle import RunLockError, StoppedBySignal, collective_explanation, disk_full_line, signal_stop_line
+from .lifecycle import (STOP_SIGNALS, RunLockError, StoppedBySignal, collective_explanation, disk_full_line,
+                        signal_stop_line)
 from .console import console_log_path, log_only
 from .logs import HelpFormatter
 from .preflight import PreflightError
@@ -77,7 +78,24 @@ def one_line_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-PARSE_ERROR_WAIT_S = 60.0  # how long a quiet rank waits for its node's first rank to print a bad flag and exit
+QUIET_RANK_WAIT_S = 60.0  # how long a quiet rank waits for its node's first rank to print the shared error and exit
+
+
+def wait_for_first_rank() -> None:
+    """On a node's non-first rank under torchrun (LOCAL_WORLD_SIZE > 1), before it exits on an error that its
+    node's first rank prints: wait up to QUIET_RANK_WAIT_S. torchrun stops every rank once one exits, so exiting
+    first could stop the first rank (still importing on a loaded machine, or still writing its traceback to the
+    log) before its line is out; the first rank's exit ends this wait: torchrun stops us with SIGTERM, which the
+    default action it gets back here ends at once (the trainers' handlers would turn it into a stop request, or
+    a second error, and keep torchrun waiting). Nothing elsewhere."""
+    if get_local_rank() == 0 or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return
+    for sig in STOP_SIGNALS:
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except ValueError:  # not the main thread: its handlers are the main thread's to set
+            pass
+    time.sleep(QUIET_RANK_WAIT_S)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -104,10 +122,7 @@ class ArgumentParser(argparse.ArgumentParser):
         if get_local_rank() == 0:
             sys.stderr.write(f"{self.prog}: error: {suggest_flags(message, flags, others)} (see {self.prog} --help)\n")
             sys.stderr.flush()
-        elif int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-            # torchrun stops every rank once one exits: exiting first here could stop the node's first rank (still
-            # importing, on a loaded machine) before its line is out. Its exit ends this wait (torchrun stops us).
-            time.sleep(PARSE_ERROR_WAIT_S)
+        wait_for_first_rank()
         raise SystemExit(2)
 
 
@@ -145,6 +160,8 @@ def run_cli(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | 
         _report_error(error)
         if isinstance(error, REFUSALS):  # every rank refused alike, no collective is in flight: leave the group
             _leave_process_group()  # (exiting with it alive has aborted a rank with "terminate called ...")
+        if isinstance(error, RELAYED_ERRORS):  # its line is the node's first rank's to print
+            wait_for_first_rank()
         raise SystemExit(1) from None
 
 
