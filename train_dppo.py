@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -129,6 +129,24 @@ def replay(model, window: StoredWindow, mb: torch.Tensor, scale: float, args) ->
                                  prev_sample=window.latents[mb, j + 1], validate=False)
 
 
+def recompute_old(model, window: StoredWindow, replayed: Sequence[torch.Tensor], scale: float, args,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old policy's log-probs (B, W) and transition means (B, W, *D) of the samples in the micro-batches
+    `replayed` ((b,) row indices each), replayed through their stored window with the current weights, i.e. the
+    weights that sampled, before any optimizer step; the rows not replayed are left for the first update's own
+    forwards to fill (--old_from_update on)."""
+    old_log_probs = torch.empty(window.latents.shape[0], window.sigma.shape[1], device=window.latents.device)
+    old_means = torch.empty_like(window.latents[:, 1:])
+    # compiled blocks round a no-grad graph differently from the update's graph: replay with grad (outputs
+    # detached) so the first update's ratio stays exactly 1 (models.base.compile_blocks)
+    with torch.set_grad_enabled(args.compile == "blocks"):
+        for mb in replayed:
+            for j, out in replay(model, window, mb, scale, args):
+                old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
+                del out  # its graph (the checkpointed block inputs) goes before the next replay
+    return old_log_probs, old_means
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     window_range = int_pair(args.sde_window_range) if args.sde_window_range else None
@@ -176,18 +194,10 @@ def main(argv=None) -> None:
         micro_steps_per_update = samples_per_mini // args.micro_batch_size * num_w  # micro-batches x W
         first_from_update = args.old_log_probs == "recompute" and args.old_from_update == "on"
         if args.old_log_probs == "recompute":
-            old_log_probs = torch.empty(n_local, num_w, device=device)  # (B, W)
-            old_means = torch.empty_like(window.latents[:, 1:])  # (B, W, *D)
             replayed = T.micro_batches(samples_per_mini if first_from_update else 0, n_local, args.micro_batch_size,
                                        device)
-            # compiled blocks round a no-grad graph differently from the update's graph: replay with grad (outputs
-            # detached) so the first update's ratio stays exactly 1 (models.base.compile_blocks)
-            with T.timer("old_log_prob", timings, skip=not replayed), \
-                    torch.set_grad_enabled(args.compile == "blocks"):
-                for mb in replayed:
-                    for j, out in replay(model, window, mb, scale, args):
-                        old_log_probs[mb, j], old_means[mb, j] = out.log_prob.detach(), out.prev_sample_mean.detach()
-                        del out  # its graph (the checkpointed block inputs) goes before the next replay
+            with T.timer("old_log_prob", timings, skip=not replayed):
+                old_log_probs, old_means = recompute_old(model, window, replayed, scale, args)  # (B, W), (B, W, *D)
             first_pass = None
         else:
             if args.loss == "flow_dppo" and result.all_means is None:

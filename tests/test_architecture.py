@@ -472,6 +472,21 @@ def test_each_trainers_update_loop_reads_at_most_four_blocks_deep():
     assert all(d <= MAX_UPDATE_DEPTH for d in depths.values()), depths
 
 
+def step_loop(path: Path) -> ast.For:
+    """The trainer's `for step in ...:` loop, the whole RL step."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == "step":
+            return node
+    raise AssertionError(f"{path.name}: no `for step in ...:` loop")
+
+
+def test_each_trainers_whole_step_reads_at_most_four_blocks_deep():
+    """The step loop included: the update loop inside it, and every other phase of the step (e.g. Flow-DPPO's
+    recompute of the old log-probs, a helper of its own) sit at most four blocks deep."""
+    depths = {name: block_depth(step_loop(REPO / name)) for name in ("train_nft.py", "train_dppo.py")}
+    assert all(d <= MAX_UPDATE_DEPTH for d in depths.values()), depths
+
+
 def test_block_depth_counts_nesting_and_not_elif():
     tree = ast.parse("with a:\n    for x in y:\n        if p:\n            f()\n        elif q:\n            g()\n"
                      "        else:\n            if r:\n                while s:\n                    h()\n")
