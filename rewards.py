@@ -71,6 +71,7 @@ __all__ = [
     "Reward", "REWARDS", "REWARD_NAMES", "OCR_BACKENDS", "OCR_EMPTY_REPLY", "OCR_OVERLONG_REPLY",
     "OCR_REFUSAL_REPLY", "OCR_UNUSABLE_REPLY", "OCR_REPLY_KINDS", "JUDGE_PROBE_WORD", "RewardConfig",
     "parse_reward_weights", "reward_weights_arg", "add_reward_args", "RewardResult", "RewardScorer",
+    "check_pickscore_flags",
     # re-exported from reward_models/ (the reward models' names the trainers and the scorer's users meet)
     "SamplingConfig", "GenRMServerError", "DaemonThreadPool", "genrm_request_budget_s", "PickScore",
 ]
@@ -590,12 +591,27 @@ class Reward:
         data_source names another reward (None: the row's own ground truth serves every reward, e.g. jpeg).
     per_image: whether, under a config, it scores each image on its own (one request / call per image), so that row
         slices scored apart equal one call over all rows bit for bit (`RewardScorer.scores_rows_independently`).
+    check_flags: what the reward needs from the command line that can be checked before any model loads
+        (`training.preflight.check_rewards` calls it for the rewards a run uses): ValueError naming the flag and the
+        fix (None: nothing to check).
     """
 
     score: str
     model: str | None = None
     ground_truth_key: str | None = None
     per_image: Callable[[RewardConfig], bool] = lambda config: True
+    check_flags: Callable[[argparse.Namespace], None] | None = None
+
+
+def check_pickscore_flags(args: argparse.Namespace) -> None:
+    """--pickscore_path is set and names a transformers CLIPModel folder (its config.json); ValueError otherwise."""
+    path = args.pickscore_path
+    if not path:
+        raise ValueError("the rows or --reward_weights use the 'pickscore' reward but --pickscore_path is not set; "
+                         "pass the PickScore_v1 CLIPModel folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--pickscore_path {path}: no config.json there; pass a transformers CLIPModel folder "
+                         f"(PickScore_v1)")
 
 
 REWARDS: dict[str, Reward] = {
@@ -603,7 +619,7 @@ REWARDS: dict[str, Reward] = {
     "ocr": Reward("score_ocr", model="ocr_reader", ground_truth_key="target_text",
                   per_image=lambda config: config.ocr_backend in ("http", "rapidocr")),
     "pickscore": Reward("score_pickscore", model="pickscore", ground_truth_key="instruction",
-                        per_image=lambda config: False),  # batched CLIP kernels
+                        per_image=lambda config: False, check_flags=check_pickscore_flags),  # batched CLIP kernels
     "jpeg_compressibility": Reward("score_jpeg_compressibility"),
     "jpeg_incompressibility": Reward("score_jpeg_incompressibility"),
 }

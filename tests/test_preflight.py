@@ -122,6 +122,36 @@ def test_bad_dataset_rows_are_refused(flags, tmp_path):
     refused(cli(**{**flags, "train_files": bad}), r"'pickscore' reward but --pickscore_path is not set")
 
 
+def test_each_used_reward_checks_its_own_flags_from_the_table(monkeypatch, tmp_path):
+    """check_rewards runs the `check_flags` of the rewards a run uses, and only theirs (a new reward's check is its
+    table entry); PickScore's names the flag and the fix for a missing and for a wrong folder."""
+    import argparse
+
+    import rewards
+    from training.preflight import check_rewards
+
+    seen = []
+
+    def check(args):
+        seen.append(args.probe)
+        raise ValueError("--probe 3: use 4")
+
+    monkeypatch.setitem(rewards.REWARDS, "probe", rewards.Reward("score_jpeg_compressibility", check_flags=check))
+    args = argparse.Namespace(probe=3, pickscore_path=None)
+    check_rewards(args, ["jpeg_compressibility", "ocr"])  # neither has flags to check
+    assert seen == []
+    with pytest.raises(PreflightError, match=r"^--probe 3: use 4$"):
+        check_rewards(args, ["ocr", "probe"])
+    assert seen == [3]
+    with pytest.raises(PreflightError, match=r"--pickscore_path is not set; pass the PickScore_v1 CLIPModel folder"):
+        check_rewards(args, ["pickscore"])
+    args.pickscore_path = str(tmp_path)
+    with pytest.raises(PreflightError, match=rf"--pickscore_path {re.escape(str(tmp_path))}: no config.json there"):
+        check_rewards(args, ["pickscore"])
+    (tmp_path / "config.json").write_text("{}")
+    check_rewards(args, ["pickscore"])
+
+
 def test_output_folder_must_be_writable(flags, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

@@ -11,9 +11,10 @@ CFG scale (`flags.resolve_cfg_scale`: the other family's CFG flag is refused); e
 --train_files and --val_files (`check_datasets`: the dataset's own row checks, a prompt with printable text (not
 only NULs or other control characters), a data_source that names a reward, the ground truth a multi-reward needs,
 enough validation prompts for the ranks, at least --train_batch_size training rows); what each reward needs
-(`check_rewards`: a PickScore folder); --init_adapter (`check_init_adapter`: this run's rank and alpha; the flag's
-type verified its manifest and finiteness); the output folder and its checkpoints/ can be written
-(`check_output_dir`: a full disk is named as one, not as a permissions problem); the prompts that Qwen-Image's
+(`check_rewards`: each used reward's `check_flags`, e.g. a PickScore folder); --init_adapter (`check_init_adapter`:
+this run's rank and alpha; the flag's type verified its manifest and finiteness); the output folder and its
+checkpoints/ can be written (`check_output_dir`: a full disk is named as one, not as a permissions problem); the
+prompts that Qwen-Image's
 --max_sequence_length cuts (`truncated_prompts`: counted, warned once by `setup_run`); one tiny request to the judge
 when an OCR reward is scored over HTTP (`probe_judge`). A reward weight of 0, NaN or inf never gets here:
 --reward_weights refuses it at parse time (`rewards.reward_weights_arg`).
@@ -224,15 +225,16 @@ def check_datasets(args, world: int, *, guided: bool) -> list[str]:
 
 
 def check_rewards(args, names: Sequence[str]) -> None:
-    """What each reward in `names` needs that can be checked without loading it."""
-    if "pickscore" in names:
-        path = args.pickscore_path
-        if not path:
-            raise PreflightError("the rows or --reward_weights use the 'pickscore' reward but --pickscore_path is not "
-                                 "set; pass the PickScore_v1 CLIPModel folder")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise PreflightError(f"--pickscore_path {path}: no config.json there; pass a transformers CLIPModel "
-                                 f"folder (PickScore_v1)")
+    """What each reward in `names` needs that can be checked without loading it: its `check_flags` (`REWARDS`)."""
+    import rewards
+
+    for name in names:
+        check = rewards.REWARDS[name].check_flags
+        if check is not None:
+            try:
+                check(args)
+            except ValueError as e:
+                raise PreflightError(str(e)) from None
 
 
 def check_output_dir(output_dir: str) -> None:
