@@ -254,6 +254,13 @@ class FlowModel:
         return self.compile_block_prefixes or self.lora_block_prefixes
 
     # ---- sizes -------------------------------------------------------------------------------------------------
+    @classmethod
+    def default_size(cls, reference: Any | None = None) -> tuple[int, int]:
+        """(height, width) to sample at when none is given (scripts/sample.py), for a prompt with the reference
+        image `reference` (None: a text prompt): 512x512 here; a family whose released pipeline sizes its output
+        by the reference (Boogu-Image edit) says so."""
+        return 512, 512
+
     @property
     def size_multiple(self) -> int:
         """Height/width must be multiples of this: the VAE factor times the 2x2 patch."""

@@ -186,6 +186,11 @@ class BooguImageModel(FlowModel):
     vllm_omni_pipeline = "engines.vllm_omni_pipelines.RLBooguImagePipeline"  # vllm-omni's RL pipeline class
 
     @classmethod
+    def default_size(cls, reference: Any | None = None) -> tuple[int, int]:
+        """The released pipeline's output size for one reference image (`reference_size`); 512x512 without one."""
+        return reference_size(reference) if reference is not None else (512, 512)
+
+    @classmethod
     def vae_scale_factor_of(cls, vae_config: Any) -> int:
         """2^(len(block_out_channels) - 1) of the Boogu-Image VAE config (AutoencoderKL)."""
         return 2 ** (len(vae_config.block_out_channels) - 1)

@@ -148,9 +148,9 @@ def main(argv=None) -> None:
         PromptDataset(args.parquet, guidance=True)  # guided: every row needs a negative prompt (names the row)
     height, width = args.height, args.width
     if height is None or width is None:
-        from models.boogu_image import reference_size
+        from models import family_class
 
-        ref_h, ref_w = reference_size(rows[0].images[0]) if rows[0].images else (512, 512)
+        ref_h, ref_w = family_class(family).default_size(rows[0].images[0] if rows[0].images else None)
         height, width = height or ref_h, width or ref_w
     adapter_dir = None
     if args.adapter:

@@ -493,6 +493,12 @@ def test_reference_resize_rules():
     ratio = (2048 * 2048 / (3000 * 2000)) ** 0.5
     assert reference_size(PIL.Image.new("RGB", (3000, 2000))) == (int(2000 * ratio) // 16 * 16, int(3000 * ratio) // 16 * 16)
     assert reference_size(torch.zeros(3, 40, 72, dtype=torch.uint8)) == (32, 64)
+    # what scripts/sample.py samples at without --height/--width: the reference's VAE size, else 512x512 (as any
+    # family without reference images)
+    from models.qwen_image import QwenImageModel
+
+    assert BooguImageModel.default_size(torch.zeros(3, 40, 72, dtype=torch.uint8)) == (32, 64)
+    assert BooguImageModel.default_size(None) == QwenImageModel.default_size(None) == (512, 512)
 
 
 def test_edit_cfg_text_only_negative_keeps_reference_latents(edit):
