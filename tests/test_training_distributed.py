@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 import training as T  # noqa: E402
-from training.distributed import (all_gather_cat, get_rank, get_world_size,  # noqa: E402
+from training.distributed import (all_gather_cat, get_local_world_size, get_rank, get_world_size,  # noqa: E402
                                   is_main_process, seed_everything)
 from _training_helpers import DIST_ENV  # noqa: E402
 
@@ -38,6 +38,20 @@ def test_init_distributed_single_process(one_process_group):
     assert get_rank() == 0 and get_world_size() == 1 and is_main_process()
     assert T.init_distributed("cpu") == info  # idempotent
 
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, 1),                                           # a plain `python train_*.py`
+    ({"WORLD_SIZE": "8"}, 8),                          # a launcher that sets no LOCAL_WORLD_SIZE: one node
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 4),  # torchrun, two nodes of 4
+    ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": ""}, 8),
+])
+def test_local_world_size_reads_torchruns_env_then_assumes_one_node(monkeypatch, env, expected):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert get_local_world_size() == expected
 
 
 def test_all_gather_cat_single_process():

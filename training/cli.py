@@ -23,7 +23,7 @@ import traceback
 from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 from .checkpoint import CheckpointError
-from .distributed import RankFailed, cleanup_distributed, get_local_rank, launch_rank
+from .distributed import RankFailed, cleanup_distributed, get_local_rank, get_local_world_size, launch_rank
 from .lifecycle import (STOP_SIGNALS, RunLockError, StoppedBySignal, collective_explanation, disk_full_line,
                         signal_stop_line)
 from .console import console_log_path, log_only
@@ -88,7 +88,7 @@ def wait_for_first_rank() -> None:
     log) before its line is out; the first rank's exit ends this wait: torchrun stops us with SIGTERM, which the
     default action it gets back here ends at once (the trainers' handlers would turn it into a stop request, or
     a second error, and keep torchrun waiting). Nothing elsewhere."""
-    if get_local_rank() == 0 or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+    if get_local_rank() == 0 or get_local_world_size() <= 1:
         return
     for sig in STOP_SIGNALS:
         try:

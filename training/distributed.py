@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "launch_rank", "get_world_size", "get_local_rank",
-    "is_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
+    "get_local_world_size", "is_main_process", "barrier", "all_gather_cat", "seed_everything", "RankFailed",
     "raise_if_any_rank_failed", "run_phase", "on_rank0", "collective_timeout_s", "COLLECTIVE_TIMEOUT_MARGIN_S", "scores_http_judge"
 ]
 
@@ -195,7 +195,7 @@ def init_distributed(device: str | None = None, *, timeout_s: float = 1800.0) ->
     under_torchrun = "WORLD_SIZE" in os.environ
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local_world = get_local_world_size()
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise RuntimeError(
@@ -240,6 +240,11 @@ def get_world_size() -> int:
 
 def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_local_world_size() -> int:
+    """The ranks on this node: torchrun's $LOCAL_WORLD_SIZE, else $WORLD_SIZE (one node), else 1 (no launcher)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1")
 
 
 def is_main_process() -> bool:

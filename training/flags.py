@@ -13,6 +13,7 @@ from models import SAMPLING_DEFAULTS, sampling_defaults
 from models.base import ATTENTION_BACKENDS, COMPILE_MODES
 
 from .adapters import adapter_arg
+from .distributed import get_local_world_size
 from .model import FSDP_MODES
 from .optim import LR_SCHEDULES
 
@@ -283,7 +284,7 @@ def check_rollout_lag(args) -> str | None:
     if not getattr(args, "rollout_policy_lag", 0):
         return None
     devices = [d.strip() for d in args.rollout_devices.split(",")]
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = get_local_world_size()
     import rollout
 
     shared = [d for d in devices if d == rollout.COLOCATED or (rollout.gpu_index(d) is not None

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from .distributed import get_world_size
+from .distributed import get_local_world_size, get_world_size
 
 __all__ = ["perf_metrics", "PEAK_TFLOPS_ENV", "device_peak_flops", "rollout_device_count", "transformer_flops",
            "phase_perf_metrics", "nft_perf_metrics", "dppo_perf_metrics"]
@@ -56,7 +56,7 @@ def rollout_device_count(rollout_devices: str) -> int:
     if rollout_devices.strip() == "colocated":
         return world
     per_node = len([d for d in rollout_devices.split(",") if d.strip()])
-    nodes = max(world // int(os.environ.get("LOCAL_WORLD_SIZE", world) or world), 1)
+    nodes = max(world // get_local_world_size(), 1)
     return per_node * nodes
 
 
