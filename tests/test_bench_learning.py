@@ -280,8 +280,30 @@ def test_summary_per_algorithm_efficiency_targets_and_table():
     assert B.markdown_table(rows).splitlines()[1].count("---") == len(rows[0])
 
 
+def test_run_health_reads_skips_and_the_ratio_range_and_says_them_in_one_line():
+    dppo = {B.SKIPPED_KEY: [(1, 0.0), (2, 1.0), (3, 1.0)], B.RATIO_KEYS[0]: [(1, 1.0), (2, 0.97), (3, 0.99)],
+            B.RATIO_KEYS[1]: [(1, 1.0), (2, 1.02), (3, 1.01)]}
+    assert B.run_health(dppo) == {"skipped_steps": 1, "ratio_range": [0.97, 1.02]}
+    assert B.run_health({B.SKIPPED_KEY: [(1, 0.0), (2, 0.0)]}) == {"skipped_steps": 0}   # DiffusionNFT: no ratio
+    assert B.run_health({}) == {}
+    runs = {"dppo_s0": {"algorithm": "dppo", "health": {"skipped_steps": 0, "ratio_range": [1.0, 1.0]}},
+            "dppo_s1": {"algorithm": "dppo", "health": {"skipped_steps": 0, "ratio_range": [0.99, 1.0]}},
+            "nft_s0": {"algorithm": "nft", "health": {"skipped_steps": 0}},
+            "grpo_s0": {"algorithm": "grpo", "error": "exit 1"}}                          # failed: no health
+    labels = {"dppo": "Flow-DPPO", "nft": "DiffusionNFT"}
+    assert B.health_text(runs, labels) == ("Health: no optimizer step skipped in any of the 3 runs; importance ratio "
+                                           "over every step and seed: Flow-DPPO [0.99, 1].")
+    runs["nft_s0"]["health"]["skipped_steps"] = 2
+    assert B.health_text(runs, labels).startswith("Health: optimizer steps skipped: nft_s0 2; ")
+    cost = {"wall_s": 1230.0, "calibration_wall_s": 330.0, "runs_wall_s": 900.0, "reused": []}
+    assert B.cost_text(cost) == "Cost: this invocation ran 20.5 min wall (330 s of solo calibrations, 900 s of runs)."
+    assert B.cost_text(dict(cost, reused=["control"])).endswith(
+        "; 1 run(s) reused from an earlier invocation (--resume), their time not included (control).")
+
+
 def test_write_report_files_and_schema(tmp_path):
-    jobs, state = [], {"records": {}, "runs": {}, "failed": {}, "calibration": {}, "settings": {}}
+    jobs, state = [], {"records": {}, "runs": {}, "failed": {}, "calibration": {}, "settings": {},
+                       "clock": {"started": time.monotonic() - 60.0, "calibrated": None, "reused": []}}
     plans = {"control": (0.3, 0.3), "nft_s0": (0.3, 0.6), "nft_s1": (0.3, 0.5), "dppo_s0": (0.3, 0.4)}
     for name, (start, end) in plans.items():
         algo = B.ALGORITHMS[name.split("_")[0]]
@@ -315,6 +337,8 @@ def test_write_report_files_and_schema(tmp_path):
     assert_png(out / B.FILES["grids"])
     md = (out / B.FILES["markdown"]).read_text()
     assert "| DiffusionNFT | 2 |" in md and "INCOMPLETE" in md and "`python3 tools/bench_learning.py --x`" in md
+    assert loaded["cost"]["wall_s"] >= 60.0 and loaded["cost"]["runs_wall_s"] == 0.0   # still calibrating
+    assert "Cost: this invocation ran 1.0 min wall" in md and "Health: " in md
     assert "DiffusionNFT" in "\n".join(lines) and "start point" in "\n".join(lines)
 
 
@@ -411,6 +435,8 @@ def test_main_calibrates_alone_then_runs_seeds_concurrently(tiny_models, tmp_pat
     monkeypatch.setattr(B, "launch", fake2)
     doc = B.main(argv + ["--resume"])
     assert [n for n, _ in fake2.launched] == ["dppo_s1"] and doc["algorithms"]["dppo"]["seeds"] == 2
+    assert doc["cost"]["reused"] == ["calibrate_control", "calibrate_nft", "calibrate_dppo", "control", "nft_s0",
+                                     "dppo_s0", "nft_s1"]
 
 
 def test_main_budget_becomes_steps_and_max_runtime_stops_launching(tiny_models, tmp_path, monkeypatch):
@@ -511,6 +537,10 @@ def test_smoke_end_to_end_with_seeds_calibration_and_two_concurrent_runs(tiny_mo
         assert all(p["exact_match"] is not None and p["n"] == 2 for p in run["curve"])
         assert run["settings"]["lr"] == (0.0 if name == "control" else B.SMOKE["lr"])
     assert doc["runs"]["nft_s1"]["settings"]["seed"] == 43 and doc["algorithms"]["nft"]["seeds"] == 2
+    # the trainers' own keys: the control (train_dppo.py, lr 0) applies every update at a ratio of exactly 1
+    assert doc["runs"]["control"]["health"] == {"skipped_steps": 0, "ratio_range": [1.0, 1.0]}
+    assert doc["runs"]["nft_s0"]["health"] == {"skipped_steps": 0}
+    assert 0 < doc["cost"]["calibration_wall_s"] < doc["cost"]["wall_s"] and doc["cost"]["reused"] == []
     assert "step 2/2" in proc.stdout or "step 1/2" in proc.stdout     # progress while training
     assert_png(out / B.FILES["plot"])
     assert_png(out / B.FILES["grids"])

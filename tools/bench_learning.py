@@ -54,6 +54,8 @@ REWARD_KEY = "val-core/ocr/reward/mean@1"
 EXACT_KEY = "val-aux/ocr/ocr/exact_match/mean@1"   # rewards.py's `ocr/exact_match` extra, as validation logs it
 TRAIN_REWARD_KEY = "critic/rewards/mean"
 STEP_TIME_KEY = "perf/time_per_step"
+RATIO_KEYS = ("actor/ratio_min", "actor/ratio_max")  # Flow-DPPO / Flow-GRPO: extremes over each step's samples
+SKIPPED_KEY = "actor/skipped_steps"                # optimizer steps skipped so far (non-finite loss or gradient)
 GRID_TAG = "val/samples"
 JUDGE_LOG = "judge_replies.jsonl"                   # training.scoring.JUDGE_LOG: every validated reply, per sample
 GAINS = (0.05, 0.1)                                 # the held-out gains whose GPU-seconds the table reports
@@ -428,6 +430,7 @@ class RunRecord:
     timing_s: dict[str, float]                    # sums of timing_s/* over the run (testing = validation)
     grids: dict[str, tuple[int, bytes]] = field(default_factory=dict)   # "before"/"after" -> (step, PNG)
     calibrated: bool = False                      # curve placed on a solo calibration (it shared the GPU)
+    health: dict[str, Any] = field(default_factory=dict)  # skipped_steps; ratio_range [min, max] over every step
 
     @property
     def gpu_seconds(self) -> float:
@@ -445,6 +448,18 @@ def validation_rewards(run_dir: str) -> dict[int, list[float]]:
                 if record.get("phase") == "val" and record.get("reward") == record.get("reward"):
                     out.setdefault(int(record["step"]), []).append(float(record["reward"]))
     return out
+
+
+def run_health(m: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Any]:
+    """What says the run trained as intended, from its logged scalars `m`: the optimizer steps it skipped (the last
+    `actor/skipped_steps`) and, for the ratio losses, the importance ratio's range over every step's samples. At one
+    optimizer step per rollout step the old policy is the policy itself, so that range is exactly [1, 1]."""
+    health: dict[str, Any] = {}
+    if m.get(SKIPPED_KEY):
+        health["skipped_steps"] = int(max(m[SKIPPED_KEY])[1])
+    if all(m.get(k) for k in RATIO_KEYS):
+        health["ratio_range"] = [min(v for _, v in m[RATIO_KEYS[0]]), max(v for _, v in m[RATIO_KEYS[1]])]
+    return health
 
 
 def read_run(run_dir: str, *, calibration: tuple[float, float] | None = None,
@@ -485,7 +500,7 @@ def read_run(run_dir: str, *, calibration: tuple[float, float] | None = None,
                    if s <= steps]
     timing = {k.split("/", 1)[1]: sum(v for _, v in vals) for k, vals in m.items() if k.startswith("timing_s/")}
     record = RunRecord(steps=steps, step_times=step_times, curve=curve, train_curve=train_curve, timing_s=timing,
-                       calibrated=calibration is not None)
+                       calibrated=calibration is not None, health=run_health(m))
     grids = images(run_dir, GRID_TAG)
     if grids:
         first, last = min(grids), max(grids)
@@ -749,6 +764,35 @@ def targets(per_algo: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, An
     return out
 
 
+def health_text(runs: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
+    """One line: the optimizer steps each run skipped (none, or which) and each ratio loss's importance-ratio range
+    over every step of every seed (exactly [1, 1] at one optimizer step per rollout step)."""
+    healthy = {name: r["health"] for name, r in runs.items() if "health" in r}
+    skipped = {name: h["skipped_steps"] for name, h in healthy.items() if h.get("skipped_steps")}
+    parts = [("optimizer steps skipped: " + ", ".join(f"{n} {k}" for n, k in skipped.items())) if skipped else
+             f"no optimizer step skipped in any of the {len(healthy)} runs"]
+    ranges: dict[str, list[float]] = {}
+    for name, h in healthy.items():
+        if "ratio_range" in h:
+            lo, hi = h["ratio_range"]
+            old = ranges.setdefault(runs[name]["algorithm"], [lo, hi])
+            ranges[runs[name]["algorithm"]] = [min(old[0], lo), max(old[1], hi)]
+    if ranges:
+        parts.append("importance ratio over every step and seed: " + "; ".join(
+            f"{labels.get(a, a)} [{lo:.6g}, {hi:.6g}]" for a, (lo, hi) in ranges.items()))
+    return "Health: " + "; ".join(parts) + "."
+
+
+def cost_text(cost: Mapping[str, Any]) -> str:
+    """One line: this invocation's wall time (solo calibrations, then the runs) and the runs it reused."""
+    text = (f"Cost: this invocation ran {cost['wall_s'] / 60:.1f} min wall ({cost['calibration_wall_s']:.0f} s of "
+            f"solo calibrations, {cost['runs_wall_s']:.0f} s of runs)")
+    if cost["reused"]:
+        text += (f"; {len(cost['reused'])} run(s) reused from an earlier invocation (--resume), their time not "
+                 f"included ({', '.join(cost['reused'])})")
+    return text + "."
+
+
 def _pm(stat: Mapping[str, Any] | None, spec: str = ".3f", sign: str = "") -> str:
     if not stat or stat.get("mean") is None:
         return "-"
@@ -988,7 +1032,8 @@ def main(argv=None) -> dict[str, Any]:
     title = (f"bench_learning: {', '.join(labels.values())}; {args.seeds} seed(s); "
              + (f"{args.steps} steps" if args.steps is not None else f"{args.budget_s:g} GPU-s") + " per run")
 
-    state: dict[str, Any] = {"records": {}, "runs": {}, "failed": {}, "calibration": {}, "settings": {}}
+    state: dict[str, Any] = {"records": {}, "runs": {}, "failed": {}, "calibration": {}, "settings": {},
+                             "clock": {"started": time.monotonic(), "calibrated": None, "reused": []}}
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     deadline = None if args.max_runtime_s is None else time.monotonic() + args.max_runtime_s
     try:
@@ -1000,6 +1045,8 @@ def main(argv=None) -> dict[str, Any]:
             def calibrated(job, proc, wall, error):
                 if error:
                     raise RuntimeError(f"calibration {job.name} failed ({error[-2000:]})")
+                if proc is None:
+                    state["clock"]["reused"].append(job.name)
                 rec = read_run(job.run_dir, need_validation=False)
                 state["calibration"][job.algo.name] = {"step_times": rec.step_times,
                                                        "t_first_t_rest": calibration_times(rec.step_times),
@@ -1011,6 +1058,7 @@ def main(argv=None) -> dict[str, Any]:
                      1, timeout_s=args.timeout_s, say=say, on_done=calibrated, resume=args.resume)
             for n, c in state["calibration"].items():
                 say(f"   {n}: {calibration_text(c)}")
+        state["clock"]["calibrated"] = time.monotonic()
         # 2. the runs: control once, then seed after seed of every trained algorithm
         jobs = []
         for n, a in algos.items():
@@ -1036,6 +1084,8 @@ def main(argv=None) -> dict[str, Any]:
         state["names"] = [j.name for j in jobs]
 
         def finished(job, proc, wall, error):
+            if proc is None:
+                state["clock"]["reused"].append(job.name)
             if error:
                 state["failed"][job.name] = error[-4000:]
                 state["runs"][job.name] = {"algorithm": job.algo.name, "label": job.algo.label,
@@ -1089,7 +1139,7 @@ def run_entry(job: Job, rec: RunRecord, wall_s: float, shared: bool) -> dict[str
         "steps": rec.steps, "gpu_seconds": rec.gpu_seconds, "wall_seconds": wall_s,
         "gpu_seconds_source": ("solo calibration (t_first, t_rest) = " + str(list(job.calibration))
                                if shared else "own step times (solo)"),
-        "own_step_seconds": sum(rec.step_times), "timing_s": rec.timing_s, "curve": rec.curve,
+        "own_step_seconds": sum(rec.step_times), "timing_s": rec.timing_s, "health": rec.health, "curve": rec.curve,
         "train_curve": rec.train_curve, "grid_steps": {k: v[0] for k, v in rec.grids.items()},
         "git_commit": meta.get("git_commit"), "versions": meta.get("versions"),
     }
@@ -1115,7 +1165,11 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
     eff = efficiency(per_algo, ends, calibration_cv=calibration_errors(state["calibration"], placed))
     rows = table_rows(per_algo, eff, labels, state["settings"])
     start = control.curve[0] if control else None
-    doc = {**header, "complete": complete, "pending": [j.name for j in jobs if j.name not in runs],
+    clock, now = state["clock"], time.monotonic()
+    calibrated = clock["calibrated"] or now
+    cost = {"wall_s": now - clock["started"], "calibration_wall_s": calibrated - clock["started"],
+            "runs_wall_s": now - calibrated, "reused": list(clock["reused"])}
+    doc = {**header, "complete": complete, "cost": cost, "pending": [j.name for j in jobs if j.name not in runs],
            "calibration": state["calibration"], "settings": state["settings"],
            "start_point": None if start is None else {k: start[k] for k in ("reward", "reward_se", "n",
                                                                             "exact_match")},
@@ -1132,12 +1186,13 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
                   + ("" if start["exact_match"] is None else f", exact match {start['exact_match']:.3f}"))
     markdown = "\n\n".join([
         f"# {title}", f"Created {header['created']}; {'complete' if complete else 'INCOMPLETE'}; GPU-seconds from "
-        f"{header['gpu_seconds_source']}.", start_line, markdown_table(rows),
+        f"{header['gpu_seconds_source']}. {cost_text(cost)}", start_line, markdown_table(rows),
         "Gain vs control: mean ± std over seeds of (end - start) - the control's (end - start), se = std / sqrt(n). "
         "GPU-s to +g: over the seeds that reached start + g (interpolated between evaluations), k/n reached. NFT "
         "efficiency: the other's GPU-seconds to the gain / DiffusionNFT's (ratio of seed means ± delta-method "
         "std over seeds and, for runs placed on a solo calibration, the calibrated step times' standard errors "
         "[min-max over seed pairs]; '> x' when the other never reached it).",
+        health_text(runs, labels),
         *(["Solo calibrations: " + "; ".join(f"{labels.get(n, n)} {calibration_text(c)}"
                                              for n, c in state["calibration"].items()) + "."]
           if state["calibration"] else []),
@@ -1148,7 +1203,7 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(_finite(doc), f, indent=2, allow_nan=False, default=str)
     os.replace(tmp, os.path.join(out_dir, FILES["json"]))
-    say("\n" + start_line + "\n" + console_table(rows))
+    say("\n" + start_line + "\n" + console_table(rows) + "\n" + health_text(runs, labels) + "\n" + cost_text(cost))
     say(f"wrote {', '.join(os.path.join(out_dir, v) for k, v in FILES.items() if k != 'log')}")
     return doc
 
