@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_prep import boogu_image_edit_ocr, make_text_edit_data, ocr  # noqa: E402
 from data_prep.common import EDIT_SCHEMA, convert_ocr_dir, read_prompt_lines, run_cli, write_parquet  # noqa: E402
 from data_prep.set_data_source import DATA_SOURCES, relabel_file  # noqa: E402
+from models import FAMILY_NAMES  # noqa: E402
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo_prompts.txt"
-MODELS = ("boogu_image", "qwen_image", "boogu_image_edit")
+MODELS = (*FAMILY_NAMES, "boogu_image_edit")  # every family's text-to-image rows, and Boogu-Image Edit's edit rows
 
 
 def make_demo_data(output_dir: Path, *, model: str, data_source: str = "jpeg_compressibility", num_test: int = 8,

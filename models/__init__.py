@@ -20,7 +20,7 @@ from models.base import DEFAULT_CFG_SCALE, FlowModel, PromptEmbeds, check_image_
 
 __all__ = ["FlowModel", "PromptEmbeds", "load_model", "model_family", "resolve_model_path", "check_size_for",
            "SAMPLING_DEFAULTS", "SAMPLING_KEYS", "sampling_defaults", "size_warning", "FAMILIES", "FAMILY_NAMES",
-           "family_class", "cfg_argument", "cfg_scale", "pipeline_cfg_kwargs"]
+           "CFG_ARGUMENTS", "family_class", "cfg_argument", "cfg_scale", "pipeline_cfg_kwargs"]
 
 # A pipeline folder may say how it samples best (a model trained at another size than its family's 512^2, without
 # CFG, ...): `<folder>/sampling_defaults.json`, e.g. {"height": 128, "width": 128, "num_inference_steps": 20,
@@ -36,6 +36,7 @@ FAMILIES = {
     "BooguImagePipeline": ("boogu_image", "models.boogu_image", "BooguImageModel"),
 }
 FAMILY_NAMES = tuple(name for name, _, _ in FAMILIES.values())
+CFG_ARGUMENTS = ("guidance_scale", "true_cfg_scale")  # the pipelines' CFG arguments the command-line flags set
 
 
 def family_class(family: str) -> type[FlowModel]:
@@ -61,6 +62,10 @@ def cfg_scale(family: str, guidance_scale: float | None, true_cfg_scale: float |
     (None = `DEFAULT_CFG_SCALE`). Setting the other family's knob is a ValueError: it would otherwise be ignored
     silently."""
     own = cfg_argument(family)
+    if own not in CFG_ARGUMENTS:
+        raise ValueError(f"{family} is guided by {own!r}, which no command-line flag sets (the flags are "
+                         f"{', '.join('--' + a for a in CFG_ARGUMENTS)}); add --{own} beside them in "
+                         f"training/flags.py and scripts/sample.py and to CFG_ARGUMENTS")
     value, other_value = (guidance_scale, true_cfg_scale) if own == "guidance_scale" else (true_cfg_scale,
                                                                                            guidance_scale)
     if other_value is not None:
@@ -128,7 +133,7 @@ def size_warning(trained: Mapping[str, int | float], height: int | None, width: 
 
 
 def model_family(path: str) -> str:
-    """The family name ("qwen_image" | "boogu_image", `FAMILIES`) of the pipeline directory `path`."""
+    """The family name (a `FAMILY_NAMES` entry, through `FAMILIES`) of the pipeline directory `path`."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory; pass a diffusers-style pipeline folder")
     index = read_json(os.path.join(path, "model_index.json"), "model_index.json")
@@ -136,7 +141,7 @@ def model_family(path: str) -> str:
     if class_name not in FAMILIES:
         raise ValueError(
             f"{path}/model_index.json has _class_name={class_name!r}; supported pipelines are "
-            f"{sorted(FAMILIES)} (Qwen-Image or Boogu-Image checkpoints)"
+            f"{sorted(FAMILIES)} (model families {', '.join(FAMILY_NAMES)})"
         )
     return FAMILIES[class_name][0]
 

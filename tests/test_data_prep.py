@@ -340,6 +340,15 @@ def test_set_data_source_accepts_exactly_the_reward_names():
     assert rewards.REWARD_NAMES == tuple(rewards.REWARDS)
 
 
+def test_make_demo_data_offers_every_model_family_from_the_table():
+    from data_prep import make_demo_data
+    from models import FAMILY_NAMES
+
+    assert set(FAMILY_NAMES) < set(make_demo_data.MODELS)   # plus Boogu-Image Edit's edit rows
+    with pytest.raises(SystemExit):
+        make_demo_data.main(["--model", "flux", "--output_dir", "unused"])
+
+
 @pytest.mark.parametrize("script, args, reason", [
     ("ocr.py", ["--model", "qwen_image", "--input_dir", "{tmp}/missing", "--output_dir", "{tmp}/out"],
      "no train.txt/test.txt in {tmp}/missing"),

@@ -149,6 +149,16 @@ def test_cfg_scale_uses_the_family_knob_and_refuses_the_other():
         cfg_scale("flux", None, None)
 
 
+def test_a_cfg_argument_that_no_flag_sets_is_refused_not_read_from_another_flag(monkeypatch):
+    """A new family guided by an argument the command line has no flag for must fail, not take --true_cfg_scale."""
+    from models import CFG_ARGUMENTS, cfg_scale, family_class
+
+    assert {family_class(f).cfg_argument for f in ("qwen_image", "boogu_image")} <= set(CFG_ARGUMENTS)
+    monkeypatch.setattr(family_class("qwen_image"), "cfg_argument", "cfg_weight")
+    with pytest.raises(ValueError, match="qwen_image is guided by 'cfg_weight', which no command-line flag sets"):
+        cfg_scale("qwen_image", None, 3.0)
+
+
 def test_pipeline_cfg_kwargs_name_each_familys_argument():
     """The one scale reaches each family's pipeline under that pipeline's own name (what diffusers' and vllm-omni's
     Qwen-Image and Boogu-Image pipelines take)."""

@@ -35,7 +35,6 @@ from typing import Callable
 
 import torch
 
-NAMES = ("qwen_image", "boogu_image_base", "boogu_image_edit", "qwen3_vl_genrm", "pickscore")
 MARKER = ".complete"
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -646,6 +645,9 @@ def builders() -> dict[str, Callable[[str], None]]:
         "pickscore": build_pickscore,
     }
     return table
+
+
+NAMES = tuple(builders())  # what --only accepts: the model families' tiny checkpoints, then the reward models'
 
 
 def builder_fingerprint() -> str:
