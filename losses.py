@@ -435,8 +435,8 @@ def flow_grpo_loss(
     ``rho = exp(logp - logp_old)``, ``A^ = clamp(A, -C, C)`` (C = ``adv_clip_max``),
     ``loss = mean[ max(-A^ rho, -A^ clamp(rho, 1 - eps, 1 + eps)) ]`` with eps = ``clip_ratio``.
     The gradient is zero where the clipped branch is active (A^ > 0, rho > 1 + eps or A^ < 0, rho < 1 - eps).
-    Metrics: ``pg_loss``, ``ppo_kl = mean(logp_old - logp)``, ``pg_clipfrac = mean(|rho - 1| > eps)``,
-    ``pg_clipfrac_higher``, ``pg_clipfrac_lower``, ``ratio_mean``, ``ratio_std`` (unbiased).
+    Metrics: ``pg_loss``, ``ppo_kl = mean(logp_old - logp)``, ``pg_clipfrac = mean(|rho - 1| > eps)`` and its
+    ``_higher`` / ``_lower`` parts, ``ratio_mean``, ``ratio_std`` (unbiased), ``ratio_min``, ``ratio_max``.
     """
     if not (math.isfinite(clip_ratio) and clip_ratio > 0):
         raise ValueError(f"clip_ratio must be > 0, got {clip_ratio}")
@@ -459,6 +459,8 @@ def flow_grpo_loss(
             "pg_clipfrac_lower": (1.0 - ratio_d > clip_ratio).float().mean(),
             "ratio_mean": ratio_d.mean(),
             "ratio_std": _std(ratio_d, unbiased=True),
+            "ratio_min": ratio_d.min(),
+            "ratio_max": ratio_d.max(),
         }
     return loss, metrics
 

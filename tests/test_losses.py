@@ -423,12 +423,14 @@ def test_flow_grpo_loss_value_gradient_and_metrics_by_hand():
     assert metrics["ppo_kl"] == pytest.approx(-sum([0.2, -0.2, 0.05, 0.3, -0.3]) / 5)
     assert metrics["ratio_mean"] == pytest.approx(sum(rho) / 5)
     assert metrics["ratio_std"] == pytest.approx(float(np.std(rho, ddof=1)))
+    assert (metrics["ratio_min"], metrics["ratio_max"]) == (pytest.approx(rho[4]), pytest.approx(rho[3]))
 
 
 def test_flow_grpo_ratio_is_one_when_old_log_probs_are_recomputed():
     logp = torch.randn(8, dtype=F64)
     _, metrics = losses.flow_grpo_loss(logp, logp.clone(), torch.randn(8, dtype=F64), clip_ratio=1e-5)
     assert metrics["ratio_mean"] == 1.0 and metrics["pg_clipfrac"] == 0.0
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1.0
 
 
 def test_flow_grpo_gradcheck_and_bad_input():
