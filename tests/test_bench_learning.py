@@ -319,7 +319,8 @@ def test_write_report_files_and_schema(tmp_path):
     out.mkdir()
     lines = []
     labels = {n: a.label for n, a in B.ALGORITHMS.items()}
-    doc = B.write_report(state, jobs, labels, {"created": "now", "gpu_seconds_source": "own", "argv": ["--x"]},
+    doc = B.write_report(state, jobs, labels, {"created": "now", "gpu": "NVIDIA H200", "gpu_seconds_source": "own",
+                                               "argv": ["--x"]},
                          str(out), "t", complete=False, say=lines.append)
     assert sorted(os.listdir(out)) == sorted(v for k, v in B.FILES.items() if k != "log")
     loaded = json.loads((out / B.FILES["json"]).read_text())
@@ -339,6 +340,7 @@ def test_write_report_files_and_schema(tmp_path):
     assert "| DiffusionNFT | 2 |" in md and "INCOMPLETE" in md and "`python3 tools/bench_learning.py --x`" in md
     assert loaded["cost"]["wall_s"] >= 60.0 and loaded["cost"]["runs_wall_s"] == 0.0   # still calibrating
     assert "Cost: this invocation ran 1.0 min wall" in md and "Health: " in md
+    assert md.splitlines()[2].startswith("Created now on one NVIDIA H200; INCOMPLETE; ")   # the card: H100 or H200
     assert "DiffusionNFT" in "\n".join(lines) and "start point" in "\n".join(lines)
 
 
@@ -529,6 +531,7 @@ def test_smoke_end_to_end_with_seeds_calibration_and_two_concurrent_runs(tiny_mo
         assert (out / name).stat().st_size <= 16 * 2**20 and all(c.isalnum() or c in "._-" for c in name)
     doc = json.loads((out / B.FILES["json"]).read_text())
     assert doc["smoke"] and doc["complete"] and set(doc["runs"]) == {"control", "nft_s0", "nft_s1"}
+    assert doc["device"] == "cpu" and doc["gpu"] is None
     assert set(doc["calibration"]) == {"control", "nft"} and "solo calibration" in doc["gpu_seconds_source"]
     t_first, t_rest = doc["calibration"]["nft"]["t_first_t_rest"]
     for name, run in doc["runs"].items():

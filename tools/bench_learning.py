@@ -1020,7 +1020,8 @@ def main(argv=None) -> dict[str, Any]:
         "benchmark": "bench_learning", "schema_version": 2,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "argv": sys.argv[1:] if argv is None else list(argv), "smoke": args.smoke, "model_path": model_path,
-        "train_files": train_files, "val_files": val_files, "device": device, "seeds": args.seeds,
+        "train_files": train_files, "val_files": val_files, "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "seeds": args.seeds,
         "concurrent": args.concurrent, "scale": args.scale,
         "budget": ({"mode": "steps", "steps": args.steps} if args.steps is not None else
                    {"mode": "gpu_seconds", "budget_s": args.budget_s, "evals": args.evals}),
@@ -1185,7 +1186,8 @@ def write_report(state: Mapping[str, Any], jobs: Sequence[Job], labels: Mapping[
                   + ("" if start["reward_se"] is None else f" ± {start['reward_se']:.3f} (se, n {start['n']})")
                   + ("" if start["exact_match"] is None else f", exact match {start['exact_match']:.3f}"))
     markdown = "\n\n".join([
-        f"# {title}", f"Created {header['created']}; {'complete' if complete else 'INCOMPLETE'}; GPU-seconds from "
+        f"# {title}", f"Created {header['created']}" + (f" on one {header['gpu']}" if header.get("gpu") else "")
+        + f"; {'complete' if complete else 'INCOMPLETE'}; GPU-seconds from "
         f"{header['gpu_seconds_source']}. {cost_text(cost)}", start_line, markdown_table(rows),
         "Gain vs control: mean ± std over seeds of (end - start) - the control's (end - start), se = std / sqrt(n). "
         "GPU-s to +g: over the seeds that reached start + g (interpolated between evaluations), k/n reached. NFT "
