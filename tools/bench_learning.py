@@ -779,7 +779,7 @@ def health_text(runs: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]
             ranges[runs[name]["algorithm"]] = [min(old[0], lo), max(old[1], hi)]
     if ranges:
         parts.append("importance ratio over every step and seed: " + "; ".join(
-            f"{labels.get(a, a)} [{lo:.6g}, {hi:.6g}]" for a, (lo, hi) in ranges.items()))
+            f"{labels.get(a, a)} [{lo:.9g}, {hi:.9g}]" for a, (lo, hi) in ranges.items()))
     return "Health: " + "; ".join(parts) + "."
 
 
