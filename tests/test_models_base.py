@@ -151,9 +151,9 @@ def test_cfg_scale_uses_the_family_knob_and_refuses_the_other():
 
 def test_a_cfg_argument_that_no_flag_sets_is_refused_not_read_from_another_flag(monkeypatch):
     """A new family guided by an argument the command line has no flag for must fail, not take --true_cfg_scale."""
-    from models import CFG_ARGUMENTS, cfg_scale, family_class
+    from models import CFG_ARGUMENTS, FAMILY_NAMES, cfg_scale, family_class
 
-    assert {family_class(f).cfg_argument for f in ("qwen_image", "boogu_image")} <= set(CFG_ARGUMENTS)
+    assert {family_class(f).cfg_argument for f in FAMILY_NAMES} <= set(CFG_ARGUMENTS)
     monkeypatch.setattr(family_class("qwen_image"), "cfg_argument", "cfg_weight")
     with pytest.raises(ValueError, match="qwen_image is guided by 'cfg_weight', which no command-line flag sets"):
         cfg_scale("qwen_image", None, 3.0)
