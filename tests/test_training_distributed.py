@@ -40,6 +40,23 @@ def test_init_distributed_single_process(one_process_group):
 
 
 
+def test_cleanup_frees_the_group_after_a_model_library_imported_fsdp():
+    """A fresh interpreter: init, then what loading a model imports (torch.distributed.fsdp pulls in
+    torch.distributed.nn, whose default arguments would hold the live group), then cleanup. No gloo thread may
+    outlive destroy_process_group: one left running aborted 2-rank scripts at interpreter exit (SIGABRT)."""
+    code = ("import os\n"
+            "from training.distributed import cleanup_distributed, init_distributed\n"
+            "init_distributed('cpu')\n"
+            "import torch.distributed.fsdp\n"
+            "cleanup_distributed()\n"
+            "print(sorted(open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')))\n")
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    threads = out.stdout.strip()
+    assert "python" in threads and "gloo" not in threads, threads
+
+
 @pytest.mark.parametrize("env, expected", [
     ({}, 1),                                           # a plain `python train_*.py`
     ({"WORLD_SIZE": "8"}, 8),                          # a launcher that sets no LOCAL_WORLD_SIZE: one node

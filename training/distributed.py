@@ -11,6 +11,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: torch.distributed.nn.functional binds `group.WORLD` as default arguments
+# when first imported (loading a model imports it through torch.distributed.fsdp). Imported after init_distributed it
+# would hold the group for good, destroy_process_group could neither free it nor join its gloo threads, and one of
+# them dropping a finished collective during interpreter shutdown aborts the rank ("terminate called without an
+# active exception", SIGABRT, at the end of 2-rank runs of scripts/sample.py under load).
+import torch.distributed.nn  # noqa: F401,E402
 
 __all__ = [
     "DistInfo", "init_distributed", "cleanup_distributed", "get_rank", "launch_rank", "get_world_size", "get_local_rank",
