@@ -540,7 +540,8 @@ def test_genrm_http_ctrl_c_does_not_wait_for_a_stalled_judge(tmp_path):
     with FakeJudge(behaviours=["sleep"], stall_s=90.0) as judge:
         proc = subprocess.Popen([sys.executable, str(script), judge.url], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=repo,
-                                                                            OMP_NUM_THREADS="1"))
+                                                                            OMP_NUM_THREADS="1",
+                                                                            PYTHONFAULTHANDLER="1"))
         try:
             deadline = time.monotonic() + 120
             while not judge.requests and proc.poll() is None and time.monotonic() < deadline:
@@ -548,7 +549,14 @@ def test_genrm_http_ctrl_c_does_not_wait_for_a_stalled_judge(tmp_path):
             assert len(judge.requests) == 1, "the request never reached the judge"
             start = time.monotonic()
             proc.send_signal(signal.SIGINT)
-            _, stderr = proc.communicate(timeout=60)
+            try:
+                _, stderr = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:  # say why: the child's signal masks and every thread's stack
+                with open(f"/proc/{proc.pid}/status") as f:
+                    masks = [line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+                proc.send_signal(signal.SIGABRT)  # faulthandler prints all threads
+                _, stderr = proc.communicate(timeout=30)
+                pytest.fail(f"still running 60 s after SIGINT; {masks}; its stderr:\n{stderr[-6000:]}")
             elapsed = time.monotonic() - start
         finally:
             proc.kill()
