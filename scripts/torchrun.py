@@ -3,7 +3,8 @@
     python3 scripts/torchrun.py --nproc_per_node 2 train_dppo.py --model_path ...   # any torchrun flags
 
 Takes exactly torchrun's arguments (`torch.distributed.run`) and runs its agent. When ranks fail, the trainer has
-already printed its own one-line error (rank 0) and written every rank's traceback to `<output_dir>/train.log`; this
+already printed its own one-line error (rank 0) and written to `<output_dir>/train.log` each rank's traceback, or how
+it was stopped (torchrun SIGTERMs the other ranks once one has failed, which may be before they reach the error); this
 adds one line naming the rank that failed first, its exit code or signal, and how many of the node's ranks ended, and
 exits with that rank's exit code (1 for a signal). The agent's own per-rank log lines ("Sending process ... closing
 signal", "failed (exitcode ...)") and the OMP_NUM_THREADS banner are left out; set TORCHRUN_VERBOSE=1 to keep
@@ -46,13 +47,13 @@ def exit_text(exitcode: int) -> str:
 def failure_line(script: str, failures: Mapping[int, object]) -> str:
     """One line for a ChildFailedError's `failures` ({global rank: ProcessFailure} of this node), e.g.
     'torchrun: train_dppo.py failed: rank 0 (local rank 0 on node0) ended first, with exit code 2 (2 ranks of this
-    node ended). The error is printed above; every rank's traceback is in <output_dir>/train.log.'"""
+    node ended). The error is printed above; each rank's traceback, or how it stopped, is in <output_dir>/train.log.'"""
     rank, failure = root_failure(failures)
     host = socket.gethostname()  # an agent reports the ranks of its own node only
     count = f" ({len(failures)} ranks of this node ended)" if len(failures) > 1 else ""
     return (f"torchrun: {os.path.basename(script)} failed: rank {rank} (local rank {failure.local_rank} on {host}) "
-            f"ended first, with {exit_text(failure.exitcode)}{count}. The error is printed above; every rank's "
-            f"traceback is in <output_dir>/train.log.")
+            f"ended first, with {exit_text(failure.exitcode)}{count}. The error is printed above; each rank's "
+            f"traceback, or how it stopped, is in <output_dir>/train.log.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

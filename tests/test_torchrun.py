@@ -40,8 +40,8 @@ def test_failure_line_is_one_line_naming_the_rank_the_cause_and_the_log(monkeypa
     monkeypatch.setattr(torchrun.socket, "gethostname", lambda: "node3")
     line = torchrun.failure_line("/repo/train_dppo.py", {6: failure(2, -signal.SIGTERM, 5), 7: failure(3, 2, 5)})
     assert line == ("torchrun: train_dppo.py failed: rank 7 (local rank 3 on node3) ended first, with exit code 2 "
-                    "(2 ranks of this node ended). The error is printed above; every rank's traceback is in "
-                    "<output_dir>/train.log.")
+                    "(2 ranks of this node ended). The error is printed above; each rank's traceback, or how it "
+                    "stopped, is in <output_dir>/train.log.")
     assert "\n" not in line
     single = torchrun.failure_line("train_nft.py", {0: failure(0, -signal.SIGKILL, 5)})
     assert "rank 0 (local rank 0 on node3) ended first, with signal SIGKILL. The error" in single
