@@ -163,7 +163,8 @@ def _why_stale(holder: dict[str, Any]) -> str:
 
 # The helper threads below stop and are joined at exit, before the interpreter finalizes: a daemon thread still
 # running then is ended with pthread_exit, which aborts a process holding C++ frames ("terminate called without an
-# active exception", seen once at the end of a 2-rank run).
+# active exception"; gloo's own threads did the same while the process group outlived destroy_process_group, see
+# training/distributed.py).
 _STOPPING = threading.Event()
 _THREADS: list[threading.Thread] = []
 
