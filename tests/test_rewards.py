@@ -523,8 +523,9 @@ def test_genrm_http_ctrl_c_does_not_wait_for_a_stalled_judge(tmp_path):
     """SIGINT while a judge request stalls (server silent 90 s, --genrm_timeout_s 120): the process exits at once,
     its request thread does not hold the interpreter's exit (a ThreadPoolExecutor's would, until the reply). The
     signal is sent once the request is in flight and the time is counted from it, so a slow start under load
-    (importing torch) cannot fail the test. The child installs Python's SIGINT handler itself: Python leaves an
-    inherited SIG_IGN alone, and a shell's background job (`bash script &`, as CI may start pytest) has SIGINT ignored."""
+    (importing torch) cannot fail the test. The child installs Python's SIGINT handler itself, as a terminal's
+    process has it: Python leaves an inherited SIG_IGN alone, and a shell's background job (`bash script &`, as CI
+    may start pytest) has SIGINT ignored."""
     import os
     import signal
     import subprocess
@@ -533,8 +534,8 @@ def test_genrm_http_ctrl_c_does_not_wait_for_a_stalled_judge(tmp_path):
     script = tmp_path / "score.py"
     script.write_text(
         "import signal, sys, torch\n"
-        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as from a terminal, also when pytest runs
-        "import rewards as R\n"                                        # as a shell's background job (SIGINT ignored)
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "import rewards as R\n"
         "scorer = R.RewardScorer(R.RewardConfig(ocr_backend='http', genrm_url=sys.argv[1], genrm_timeout_s=120.0,\n"
         "                                       genrm_max_retries=0))\n"
         "scorer.score_batch([torch.zeros(3, 16, 16, dtype=torch.uint8)], ['a'], ['ocr'])\n")

@@ -39,7 +39,6 @@ def test_init_distributed_single_process(one_process_group):
     assert T.init_distributed("cpu") == info  # idempotent
 
 
-
 def test_cleanup_frees_the_group_after_a_model_library_imported_fsdp():
     """A fresh interpreter: init, then what loading a model imports (torch.distributed.fsdp pulls in
     torch.distributed.nn, whose default arguments would hold the live group), then cleanup. No gloo thread may
