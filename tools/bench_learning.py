@@ -82,7 +82,7 @@ START_POINT = (
     "index), 20-step ODE, 128x128, true CFG 1.0, rapidocr reward (mean over prompts, its standard error, and exact "
     "match). It is every run's step-0 evaluation and the control's value at every step. Measured for ocr_mini on "
     "one H200 (2026-12-04, docs/lab/measurements/2026-12-04/bench_learning_h200.json; the same to every digit on "
-    "2026-12-05): reward 0.417 +- 0.022 (standard error over prompts), exact match 0.191.")
+    "2026-12-05, on an H200 and an H100): reward 0.417 +- 0.022 (standard error over prompts), exact match 0.191.")
 
 # Why each setting is what it is (printed by --help, copied into the JSON and the markdown).
 WHY: dict[str, str] = {
@@ -110,10 +110,11 @@ WHY: dict[str, str] = {
         "0.434). --set lr=1e-3 runs that value."),
     "budget": (
         "--budget_s 240 GPU-seconds of training per run; each algorithm runs the steps that fill it at its "
-        "calibrated step time, rounded down to a multiple of the evaluation interval (so 200-215 GPU-s run). "
-        "Measured on one H200: at 120 (2026-12-04) DiffusionNFT was still rising, +0.114 +- 0.002 over the control "
-        "in 102 GPU-s (3 seeds); at 240 (2026-12-05, docs/lab/measurements/2026-12-05/) it reached +0.164 +- 0.018 "
-        "in 202 GPU-s, still rising, and Flow-DPPO +0.151 +- 0.064 in 212 (its seeds ended 0.511-0.636)."),
+        "calibrated step time, rounded down to a multiple of the evaluation interval (so 202-239 GPU-s ran). "
+        "At 120 GPU-s (one H200, 2026-12-04) DiffusionNFT was still rising, +0.114 +- 0.002 over the control in "
+        "102 GPU-s (3 seeds). At 240 (one H100, 2026-12-05, docs/lab/measurements/2026-12-05/"
+        "bench_learning_240_h100.json; the whole default table in 23.3 minutes) DiffusionNFT reached +0.164 +- "
+        "0.018 in 207 GPU-s, still rising, Flow-DPPO +0.173 +- 0.041 in 239 and Flow-GRPO +0.151 +- 0.064 in 202."),
     "calibration": (
         "--calibration_steps 8 solo steps per algorithm; its step time is the mean of steps 2-8 (step 1 holds "
         "compilation and the workers' warm-up) and that mean's standard error widens the efficiency ratios' +- "
