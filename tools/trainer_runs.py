@@ -102,6 +102,7 @@ def error_line(proc: subprocess.CompletedProcess, output_dir: str) -> str:
     assert not any("Traceback" in line for line in lines), lines
     with open(os.path.join(output_dir, "train.log"), encoding="utf-8") as f:
         log = f.read()
-    assert "Traceback (most recent call last)" in log, log[-3000:]
+    # rank 0's lines carry no "[rank N] " prefix after the time: a bare "Traceback" would also match rank 1's
+    assert re.search(r"^\S+ Traceback \(most recent call last\)", log, re.MULTILINE), log[-3000:]
     assert "[rank 1] Traceback" in log or "[rank 1] stopped by SIGTERM" in log, log[-3000:]
     return errors[0]
